@@ -1,0 +1,47 @@
+"""jmp_scaler: mixed-precision training for JAX, with an exact loss scaler.
+
+The scaler is an Optax gradient transformation whose state lives in
+``opt_state``::
+
+  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(1e-3))
+"""
+
+from jmp_scaler._lookup import find_scale_state as find_scale_state
+from jmp_scaler._lookup import get_scale as get_scale
+from jmp_scaler._lookup import scale_metrics as scale_metrics
+from jmp_scaler._policy import Policy as Policy
+from jmp_scaler._policy import default_policy as default_policy
+from jmp_scaler._policy import get_policy as get_policy
+from jmp_scaler._scaler import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
+from jmp_scaler._scaler import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
+from jmp_scaler._scaler import LossScaleState as LossScaleState
+from jmp_scaler._scaler import ScaleConfig as ScaleConfig
+from jmp_scaler._scaler import all_finite as all_finite
+from jmp_scaler._scaler import dynamic_scale as dynamic_scale
+from jmp_scaler._scaler import fixed_scale as fixed_scale
+from jmp_scaler._scaler import no_scale as no_scale
+from jmp_scaler._scaler import unscale as unscale
+from jmp_scaler._skip import skip_nonfinite as skip_nonfinite
+from jmp_scaler._train_state import TrainState as TrainState
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DEFAULT_MAX_SCALE",
+    "DEFAULT_MIN_SCALE",
+    "LossScaleState",
+    "Policy",
+    "ScaleConfig",
+    "TrainState",
+    "all_finite",
+    "default_policy",
+    "dynamic_scale",
+    "find_scale_state",
+    "fixed_scale",
+    "get_policy",
+    "get_scale",
+    "no_scale",
+    "scale_metrics",
+    "skip_nonfinite",
+    "unscale",
+)

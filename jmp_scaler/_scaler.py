@@ -1,0 +1,423 @@
+"""Loss scaling as an Optax gradient transformation.
+
+One state type, three factories: :func:`dynamic_scale` (PyTorch's GradScaler
+rule, plus bounds and hysteresis), :func:`fixed_scale` and :func:`no_scale`.
+All three produce a :class:`LossScaleState` of the same structure and dtypes,
+so switching modes changes neither checkpoints nor compiled shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+_F32 = np.finfo(np.float32)
+#: Default lower bound of the scale: the smallest normal float32, so ``1/scale``
+#: stays finite. The scale may go below 1 (TF's floor of 1 stalled keras#16100).
+DEFAULT_MIN_SCALE = float(_F32.tiny)
+#: Default upper bound of the scale: the largest float32 (PyTorch has no bound;
+#: like PyTorch, a growth whose result is not finite is refused).
+DEFAULT_MAX_SCALE = float(_F32.max)
+
+#: Extra-argument name through which :class:`jmp_scaler.TrainState` and
+#: :func:`jmp_scaler.skip_nonfinite` hand their finiteness decision to the
+#: scaler inside ``tx.update`` (so the gradients are read once, not twice).
+FINITE_KEY = "jmp_scaler_all_finite"
+
+
+class ScaleConfig(struct.PyTreeNode):
+  """The scaler's configuration, recorded in its state.
+
+  The numeric fields are float32/int32 scalar leaves: they are saved with every
+  checkpoint (as PyTorch's ``GradScaler.state_dict`` saves its factors) and the
+  update rule reads them from the state, so a restored run continues with the
+  configuration it was saved with. ``axis_name`` is static (part of the tree
+  structure, never a leaf).
+  """
+
+  growth_factor: jax.Array
+  backoff_factor: jax.Array
+  growth_interval: jax.Array
+  min_scale: jax.Array
+  max_scale: jax.Array
+  hysteresis: jax.Array
+  axis_name: Hashable | None = struct.field(pytree_node=False, default=None)
+
+
+class LossScaleState(NamedTuple):
+  """State of :func:`dynamic_scale`, :func:`fixed_scale` and :func:`no_scale`.
+
+  Every leaf is a scalar with a fixed dtype, so jitted steps never retrace.
+
+  Attributes:
+    scale: current loss scale, float32, always positive, finite and within
+      ``[config.min_scale, config.max_scale]``.
+    growth_tracker: consecutive finite steps since the last growth or
+      overflow (int32, PyTorch's ``_growth_tracker``).
+    hysteresis_tracker: overflows still tolerated before the next backoff
+      (int32); refilled to ``config.hysteresis`` on every growth.
+    skipped: whether the last update was skipped (bool).
+    consecutive_skips: skipped updates in a row (int32, saturating).
+    total_skips: skipped updates since init (int32, saturating).
+    steps: updates seen since init, skipped or not (int32, saturating).
+    config: the recorded :class:`ScaleConfig`.
+  """
+
+  scale: jax.Array
+  growth_tracker: jax.Array
+  hysteresis_tracker: jax.Array
+  skipped: jax.Array
+  consecutive_skips: jax.Array
+  total_skips: jax.Array
+  steps: jax.Array
+  config: ScaleConfig
+
+
+# --------------------------------------------------------------------------
+# Validation (host side, at construction).
+
+
+def _real(name: str, value: Any) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{name} must be a real number, got {value!r}")
+  return float(value)
+
+
+def _positive_f32(name: str, value: Any) -> float:
+  """A positive, finite, normal float32 (so that its reciprocal is finite)."""
+  x = _real(name, value)
+  if not math.isfinite(x) or x <= 0:
+    raise ValueError(f"{name} must be positive and finite, got {value!r}")
+  f = np.float32(x)
+  if not np.isfinite(f) or f < _F32.tiny:
+    raise ValueError(
+        f"{name} must lie in float32's normal range "
+        f"[{_F32.tiny:.3e}, {_F32.max:.3e}], got {value!r}"
+    )
+  return float(f)
+
+
+def _int_at_least(name: str, value: Any, low: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name} must be an integer, got {value!r}")
+  if not low <= int(value) <= np.iinfo(np.int32).max:
+    raise ValueError(
+        f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}"
+    )
+  return int(value)
+
+
+def _axis_name(value: Any) -> Hashable | None:
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, tuple) and value and all(isinstance(a, str) for a in value):
+    return value
+  raise ValueError(
+      f"axis_name must be None, a string or a non-empty tuple of strings, "
+      f"got {value!r}"
+  )
+
+
+# --------------------------------------------------------------------------
+# The factories.
+
+
+def _transformation(
+    *,
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float,
+    max_scale: float,
+    hysteresis: int,
+    axis_name: Hashable | None,
+) -> optax.GradientTransformationExtraArgs:
+  """Builds the transformation from validated values."""
+
+  def init_fn(params):
+    del params
+    i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    return LossScaleState(
+        scale=f32(init_scale),
+        growth_tracker=i32(0),
+        hysteresis_tracker=i32(hysteresis),
+        skipped=jnp.asarray(False),
+        consecutive_skips=i32(0),
+        total_skips=i32(0),
+        steps=i32(0),
+        config=ScaleConfig(
+            growth_factor=f32(growth_factor),
+            backoff_factor=f32(backoff_factor),
+            growth_interval=i32(growth_interval),
+            min_scale=f32(min_scale),
+            max_scale=f32(max_scale),
+            hysteresis=i32(hysteresis),
+            axis_name=axis_name,
+        ),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params
+    decided = extra_args.get(FINITE_KEY)
+    finite = all_finite(updates, state) if decided is None else decided
+    unscaled = unscale(updates, state.scale)
+    if decided is not True:
+      # Without an exact-skip wrapper the rest of the chain runs anyway: give it
+      # zeros rather than inf/NaN, so no non-finite value reaches its state.
+      unscaled = jax.tree.map(
+          lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _floating(u) else u,
+          unscaled,
+      )
+    return unscaled, next_state(state, finite)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dynamic_scale(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    *,
+    min_scale: float = DEFAULT_MIN_SCALE,
+    max_scale: float = DEFAULT_MAX_SCALE,
+    hysteresis: int = 1,
+    axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Dynamic loss scaling, step for step PyTorch's ``torch.amp.GradScaler``.
+
+  Put it at the head of a chain and multiply the loss by
+  :func:`jmp_scaler.get_scale` before taking gradients. Each update divides
+  the gradients by the scale, decides whether every element of every floating
+  leaf is finite (after unscaling), and adapts the scale::
+
+    if not all_finite(grads / scale):       # the step is skipped
+      growth_tracker = 0
+      hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+      if hysteresis_tracker == 0: scale = max(scale * backoff_factor, min_scale)
+    else:
+      growth_tracker += 1
+      if growth_tracker == growth_interval:
+        if isfinite(scale * growth_factor):
+          scale = min(scale * growth_factor, max_scale)
+        growth_tracker = 0; hysteresis_tracker = hysteresis
+
+  With the defaults (``hysteresis=1``, bounds at the edges of float32) this is
+  exactly GradScaler's ``_amp_update_scale_`` rule. flax's ``DynamicScale``
+  grows one step later; jmp drops ``min_loss_scale`` under jit.
+
+  For an exact skip (parameters and every downstream optimizer state
+  bit-identical on an overflow) apply the chain through
+  :class:`jmp_scaler.TrainState` or wrap it with
+  :func:`jmp_scaler.skip_nonfinite`. Used bare in a plain ``optax`` loop the
+  scaler hands zeros to the rest of the chain on an overflow: no inf or NaN
+  reaches its state, but e.g. Adam's moments decay and its count advances.
+
+  Args:
+    init_scale: initial scale; positive and finite in float32.
+    growth_factor: multiplier applied on growth; > 1.
+    backoff_factor: multiplier applied on overflow; in (0, 1).
+    growth_interval: consecutive finite steps between growths; >= 1.
+    min_scale: lower bound of the scale (default: smallest normal float32,
+      so the scale can fall below 1 and ``1/scale`` stays finite).
+    max_scale: upper bound of the scale (default: largest float32).
+    hysteresis: overflows tolerated before backing off (Megatron-LM and
+      DeepSpeed's ``hysteresis``), refilled on growth; 1 is PyTorch.
+    axis_name: mapped axis name(s) (``shard_map``/``pmap``) over which each
+      device holds only its shard of the gradients; the finiteness decision is
+      reduced over them so every device skips together and keeps one scale.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`LossScaleState`.
+
+  Raises:
+    ValueError: naming the argument and its value, for any invalid setting.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jmp_scaler
+    >>> tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> float(jmp_scaler.get_scale(state))
+    65536.0
+    >>> grads = {"w": jnp.array([jnp.inf, 1.0, 1.0])}
+    >>> _, state = tx.update(grads, state)
+    >>> float(jmp_scaler.get_scale(state))
+    32768.0
+
+  References:
+    Micikevicius et al., 2018, Mixed Precision Training
+    (https://arxiv.org/abs/1710.03740).
+  """
+  init = _positive_f32("init_scale", init_scale)
+  growth = _real("growth_factor", growth_factor)
+  if not (math.isfinite(growth) and growth > 1):
+    raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
+  backoff = _real("backoff_factor", backoff_factor)
+  if not 0 < backoff < 1:
+    raise ValueError(f"backoff_factor must lie in (0, 1), got {backoff_factor!r}")
+  interval = _int_at_least("growth_interval", growth_interval, 1)
+  lo = _positive_f32("min_scale", min_scale)
+  hi = _positive_f32("max_scale", max_scale)
+  if lo > hi:
+    raise ValueError(
+        f"min_scale must not exceed max_scale, got min_scale={min_scale!r} "
+        f"and max_scale={max_scale!r}"
+    )
+  if not lo <= init <= hi:
+    raise ValueError(
+        f"init_scale must lie in [min_scale, max_scale] = [{lo!r}, {hi!r}], "
+        f"got {init_scale!r}"
+    )
+  return _transformation(
+      init_scale=init,
+      growth_factor=growth,
+      backoff_factor=backoff,
+      growth_interval=interval,
+      min_scale=lo,
+      max_scale=hi,
+      hysteresis=_int_at_least("hysteresis", hysteresis, 1),
+      axis_name=_axis_name(axis_name),
+  )
+
+
+def fixed_scale(
+    scale: float, *, axis_name: Hashable | None = None
+) -> optax.GradientTransformationExtraArgs:
+  """A constant loss scale, with the same state as :func:`dynamic_scale`.
+
+  The article's debugging habit: fix a small scale and compare. Gradients are
+  divided by ``scale`` and non-finite steps are still skipped (and counted),
+  but the scale never changes. The state has the same structure and dtypes
+  as :func:`dynamic_scale`'s, so checkpoints and compiled steps are shared.
+
+  Args:
+    scale: the constant scale; positive and finite in float32.
+    axis_name: as in :func:`dynamic_scale`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`LossScaleState`.
+  """
+  s = _positive_f32("scale", scale)
+  return _transformation(
+      init_scale=s,
+      growth_factor=1.0,
+      backoff_factor=1.0,
+      growth_interval=int(np.iinfo(np.int32).max),
+      min_scale=s,
+      max_scale=s,
+      hysteresis=1,
+      axis_name=_axis_name(axis_name),
+  )
+
+
+def no_scale(
+    *, axis_name: Hashable | None = None
+) -> optax.GradientTransformationExtraArgs:
+  """Loss scaling turned off (PyTorch's ``GradScaler(enabled=False)``).
+
+  ``fixed_scale(1.0)``: the loss is not scaled, but non-finite steps are still
+  skipped and counted, and the state matches :func:`dynamic_scale`'s.
+  """
+  return fixed_scale(1.0, axis_name=axis_name)
+
+
+# --------------------------------------------------------------------------
+# The pieces of the update, shared with TrainState and skip_nonfinite.
+
+
+def _floating(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _math_dtype(dtype) -> np.dtype:
+  """Unscaling runs in at least float32 (a half-precision 1/scale underflows)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def unscale(grads: Any, scale: jax.Array) -> Any:
+  """Divides every floating leaf by ``scale`` (in float32), keeping its dtype."""
+  inv = 1.0 / scale
+
+  def one(g):
+    if not _floating(g):
+      return g
+    return (g.astype(_math_dtype(g.dtype)) * inv).astype(g.dtype)
+
+  return jax.tree.map(one, grads)
+
+
+def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
+  """Whether every floating leaf of ``grads / state.scale`` is finite.
+
+  One read of the gradients (a max-abs reduction per leaf); non-floating
+  leaves and ``None`` are ignored. Because rounding is monotone, the unscaled
+  largest magnitude overflows exactly when some unscaled element does, so
+  the decision equals checking the unscaled tree without materialising it.
+  With ``state.config.axis_name`` set, the decision is reduced over those
+  mapped axes: every device returns the same value.
+  """
+  inv = 1.0 / state.scale
+  flags = []
+  for g in jax.tree.leaves(grads):
+    if not _floating(g) or g.size == 0:
+      continue
+    peak = jnp.max(jnp.abs(g)).astype(_math_dtype(g.dtype)) * inv
+    flags.append(jnp.isfinite(peak.astype(g.dtype)))
+  finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+  axes = state.config.axis_name
+  if axes is not None:
+    bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes)
+    finite = bad == 0
+  return finite
+
+
+def next_state(state: LossScaleState, finite: jax.Array) -> LossScaleState:
+  """The scaler's state after an update whose gradients were ``finite``."""
+  c = state.config
+  finite = jnp.asarray(finite, jnp.bool_)
+  # A finite step: count it, grow on the growth_interval-th.
+  counted = state.growth_tracker + 1
+  at_interval = counted >= c.growth_interval
+  candidate = state.scale * c.growth_factor
+  grown = jnp.where(
+      jnp.isfinite(candidate), jnp.minimum(candidate, c.max_scale), state.scale
+  )
+  # An overflow: back off once hysteresis is used up.
+  tolerance = jnp.maximum(state.hysteresis_tracker - 1, 0)
+  backed_off = jnp.where(
+      tolerance == 0,
+      jnp.maximum(state.scale * c.backoff_factor, c.min_scale),
+      state.scale,
+  )
+  scale = jnp.where(finite, jnp.where(at_interval, grown, state.scale), backed_off)
+  growth_tracker = jnp.where(finite & ~at_interval, counted, 0)
+  hysteresis_tracker = jnp.where(
+      finite, jnp.where(at_interval, c.hysteresis, state.hysteresis_tracker),
+      tolerance,
+  )
+  return LossScaleState(
+      scale=scale.astype(jnp.float32),
+      growth_tracker=growth_tracker.astype(jnp.int32),
+      hysteresis_tracker=hysteresis_tracker.astype(jnp.int32),
+      skipped=jnp.logical_not(finite),
+      consecutive_skips=jnp.where(
+          finite, 0, optax.safe_increment(state.consecutive_skips)
+      ).astype(jnp.int32),
+      total_skips=jnp.where(
+          finite, state.total_skips, optax.safe_increment(state.total_skips)
+      ).astype(jnp.int32),
+      steps=optax.safe_increment(state.steps).astype(jnp.int32),
+      config=c,
+  )

@@ -1,0 +1,108 @@
+"""Exact skipping of non-finite steps for a whole optimizer chain.
+
+A chain head cannot undo what the transformations after it do, so the skip is
+taken around the chain: the finiteness decision is made first (one read of
+the gradients), then ``lax.cond`` either runs the whole chain, or leaves every
+state untouched except the scaler's own, which backs off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_scaler._lookup import find_scale_state, replace_scale_state
+from jmp_scaler._scaler import FINITE_KEY, LossScaleState, all_finite, next_state
+
+
+def decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
+  """The scaler state in ``opt_state`` and the finiteness decision for ``grads``.
+
+  Returns ``(None, None)`` when ``opt_state`` holds no scaler, and reuses a
+  decision already handed down through ``extra_args`` by an outer wrapper.
+  """
+  scaler = find_scale_state(opt_state)
+  if scaler is None:
+    return None, None
+  decided = extra_args.get(FINITE_KEY)
+  return scaler, (all_finite(grads, scaler) if decided is None else decided)
+
+
+def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
+  """``opt_state`` after a skipped step: only the scaler's state moves."""
+  return replace_scale_state(opt_state, next_state(scaler, False))
+
+
+def guarded(finite: jax.Array, apply, skip):
+  """``lax.cond(finite, apply, skip)``, with ``skip`` shaped like ``apply``.
+
+  ``skip`` receives the shapes of ``apply``'s outputs. Its outputs are cast
+  to ``apply``'s dtypes, so an inner transformation that changes a state
+  leaf's dtype on its first update (Adam's moments of an integer leaf) does
+  not break the ``cond``.
+  """
+  shapes = jax.eval_shape(apply)
+
+  def skip_typed():
+    return jax.tree.map(
+        lambda x, s: x if x.dtype == s.dtype else x.astype(s.dtype),
+        skip(shapes),
+        shapes,
+    )
+
+  return jax.lax.cond(finite, apply, skip_typed)
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Makes a chain holding a loss scaler skip non-finite steps exactly.
+
+  The pure-Optax path (``jmp_scaler.TrainState`` does the same for Flax)::
+
+    tx = jmp_scaler.skip_nonfinite(
+        optax.chain(jmp_scaler.dynamic_scale(), optax.adam(1e-3)))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+
+  On a step whose unscaled gradients hold inf or NaN, ``inner`` does not run:
+  its state (Adam's ``mu``, ``nu`` and ``count``, so schedules do not
+  advance) is returned bit-identical, the scaler backs off, and the updates
+  are ``-0.0``, which ``optax.apply_updates`` adds to the parameters without
+  changing a single bit (``x + -0.0 == x`` for every ``x``, ``-0.0``
+  included). Unlike ``optax.apply_if_finite`` there is no limit on the
+  number of consecutive skips: no inf or NaN ever reaches the state.
+
+  The state is ``inner``'s own (no wrapper state), so checkpoints, compiled
+  shapes and :func:`jmp_scaler.get_scale` are the same with or without it.
+  Without a scaler in ``inner``'s state the wrapper changes nothing.
+
+  Args:
+    inner: a transformation whose state contains one
+      :class:`jmp_scaler.LossScaleState` (typically
+      ``optax.chain(jmp_scaler.dynamic_scale(), ...)``).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    scaler, finite = decide(updates, state, extra_args)
+    if scaler is None or finite is True:
+      return inner.update(updates, state, params, **extra_args)
+    extra_args = {**extra_args, FINITE_KEY: True}
+
+    def apply():
+      return inner.update(updates, state, params, **extra_args)
+
+    def skip(shapes):
+      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes[0])
+      return zeros, skipped_state(state, scaler)
+
+    return guarded(finite, apply, skip)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
