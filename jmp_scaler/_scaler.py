@@ -96,13 +96,12 @@ def _positive_f32(name: str, value: Any) -> float:
   x = _real(name, value)
   if not math.isfinite(x) or x <= 0:
     raise ValueError(f"{name} must be positive and finite, got {value!r}")
-  f = np.float32(x)
-  if not np.isfinite(f) or f < _F32.tiny:
+  if x > _F32.max or np.float32(x) < _F32.tiny:
     raise ValueError(
         f"{name} must lie in float32's normal range "
         f"[{_F32.tiny:.3e}, {_F32.max:.3e}], got {value!r}"
     )
-  return float(f)
+  return float(np.float32(x))
 
 
 def _int_at_least(name: str, value: Any, low: int) -> int:

@@ -1,0 +1,183 @@
+"""Exact skip: a non-finite step changes no parameter and no optimizer state."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_scaler
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, 100)),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+}
+
+
+def _params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+      "dense": {"kernel": jax.random.normal(k1, (4, 3)), "bias": jnp.array([0.0, -0.0, 1.0])},
+      "half": jax.random.normal(k2, (5,)).astype(jnp.float16),
+  }
+
+
+def _grads(params, scale, bad=None):
+  g = jax.tree.map(lambda p: (jnp.ones_like(p, jnp.float32) * 0.25 * scale).astype(p.dtype),
+                   params)
+  if bad is not None:
+    g["dense"]["kernel"] = g["dense"]["kernel"].at[1, 2].set(bad)
+  return g
+
+
+def _bits(tree):
+  """Every leaf as raw bits, so -0.0 != 0.0 and NaN payloads count."""
+  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") if np.asarray(x).dtype.kind
+          == "f" else np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _assert_bit_identical(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(_bits(a), _bits(b), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+def _inner(opt_state):
+  """Everything in a chain's state but the scaler's."""
+  return opt_state[1:]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _train_state_step(_, state, bad):
+  scale = state.loss_scale
+  grads = _grads(state.params, scale)
+  grads["dense"]["kernel"] = grads["dense"]["kernel"].at[1, 2].add(bad)
+  return state.apply_gradients(grads=grads)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan, -jnp.inf])
+def test_train_state_skip_is_bit_identical(name, bad):
+  tx = optax.chain(jmp_scaler.dynamic_scale(), OPTIMIZERS[name]())
+  state = jmp_scaler.TrainState.create(apply_fn=None, params=_params(), tx=tx)
+  state = _train_state_step(name, state, 0.0)  # one real step: non-trivial moments
+  before = state
+  after = _train_state_step(name, state, bad)
+  _assert_bit_identical(after.params, before.params)
+  _assert_bit_identical(_inner(after.opt_state), _inner(before.opt_state))
+  assert int(after.step) == int(before.step) == 1
+  m = after.scale_metrics()
+  assert bool(m["skipped"]) and float(m["scale"]) == 2.0**15 and int(m["steps"]) == 2
+  # ... and the next finite step is applied.
+  resumed = _train_state_step(name, after, 0.0)
+  assert int(resumed.step) == 2
+  assert not np.array_equal(resumed.params["dense"]["kernel"], before.params["dense"]["kernel"])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_pure_optax_skip_is_bit_identical(name):
+  tx = jmp_scaler.skip_nonfinite(optax.chain(jmp_scaler.dynamic_scale(), OPTIMIZERS[name]()))
+  params = _params()
+
+  @jax.jit
+  def step(params, opt_state, bad):
+    grads = _grads(params, jmp_scaler.get_scale(opt_state))
+    grads["dense"]["kernel"] = grads["dense"]["kernel"].at[0, 0].add(bad)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = step(params, tx.init(params), 0.0)
+  new_params, new_state = step(params, opt_state, jnp.nan)
+  _assert_bit_identical(new_params, params)  # -0.0 updates: even the -0.0 bias survives
+  _assert_bit_identical(_inner(new_state), _inner(opt_state))
+  assert float(jmp_scaler.get_scale(new_state)) == 2.0**15
+  assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_applied_step_equals_the_optimizer_on_true_gradients(name):
+  scaled = optax.chain(jmp_scaler.dynamic_scale(), OPTIMIZERS[name]())
+  plain = OPTIMIZERS[name]()
+  params = {"w": jnp.linspace(-1.0, 1.0, 6)}
+  state = jmp_scaler.TrainState.create(apply_fn=None, params=params, tx=scaled)
+  reference = jmp_scaler.TrainState.create(apply_fn=None, params=params, tx=plain)
+  step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  for i in range(3):
+    true = {"w": jnp.linspace(0.1, 0.6, 6) * (i + 1)}
+    state = step(state, jax.tree.map(functools.partial(jnp.multiply, state.loss_scale), true))
+    reference = reference.apply_gradients(grads=true)
+  np.testing.assert_allclose(state.params["w"], reference.params["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["train_state", "skip_nonfinite", "bare_chain"])
+def test_no_inf_or_nan_reaches_state_over_long_bad_streaks(path):
+  tx = optax.chain(jmp_scaler.dynamic_scale(growth_interval=3), optax.adam(1e-2))
+  params = _params()
+  pattern = jnp.array([False] * 3 + [True] * 300 + [False, True] * 20 + [False] * 5)
+  values = jnp.where(jnp.arange(pattern.size) % 2 == 0, jnp.nan, jnp.inf)
+
+  def body(carry, xs):
+    bad, value = xs
+    p, s = carry
+    grads = _grads(p, jmp_scaler.get_scale(s.opt_state if path == "train_state" else s))
+    grads["half"] = jnp.where(bad, value, grads["half"].astype(jnp.float32)).astype(jnp.float16)
+    if path == "train_state":
+      s = s.apply_gradients(grads=grads)
+      return (s.params, s), None
+    t = jmp_scaler.skip_nonfinite(tx) if path == "skip_nonfinite" else tx
+    updates, s = t.update(grads, s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  if path == "train_state":
+    state = jmp_scaler.TrainState.create(apply_fn=None, params=params, tx=tx)
+  else:
+    state = tx.init(params)
+  (params, state), _ = jax.jit(lambda c: jax.lax.scan(body, c, (pattern, values)))(
+      (params, state))
+  for leaf in jax.tree.leaves((params, state)):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert bool(jnp.all(jnp.isfinite(leaf))), path
+  metrics = jmp_scaler.scale_metrics(state.opt_state if path == "train_state" else state)
+  assert int(metrics["total_skips"]) == 320
+  if path != "bare_chain":
+    count = optax.tree.get(state.opt_state if path == "train_state" else state, "count")
+    assert int(count) == pattern.size - 320  # schedules keyed on the count did not advance
+
+
+def test_clipping_after_the_scaler_clips_true_gradients():
+  clip_then_sgd = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  scaled = optax.chain(jmp_scaler.dynamic_scale(), optax.clip_by_global_norm(1.0),
+                       optax.sgd(1.0))
+  params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+  true = {"a": jnp.array([3.0, 0.0, 0.0]), "b": jnp.array([0.0, 4.0])}  # norm 5
+  expected, _ = clip_then_sgd.update(true, clip_then_sgd.init(params))
+  got, _ = scaled.update(jax.tree.map(lambda g: g * 2.0**16, true), scaled.init(params))
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6)
+  assert float(optax.tree.norm(got)) == pytest.approx(1.0)
+
+
+def test_skipped_step_keeps_extra_fields_like_batch_stats():
+  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))
+
+  class State(jmp_scaler.TrainState):
+    batch_stats: dict
+
+  state = State.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx,
+                       batch_stats={"mean": jnp.zeros(2)})
+  step = jax.jit(lambda s, g, m: s.apply_gradients(grads={"w": g}, batch_stats={"mean": m}))
+  skipped = step(state, jnp.array([jnp.inf, 0.0]), jnp.full(2, 5.0))
+  np.testing.assert_array_equal(skipped.batch_stats["mean"], np.zeros(2))
+  applied = step(state, jnp.ones(2), jnp.full(2, 5.0))
+  np.testing.assert_array_equal(applied.batch_stats["mean"], np.full(2, 5.0))
+
+
+def test_train_state_without_a_scaler_behaves_like_flax():
+  state = jmp_scaler.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+                                       tx=optax.sgd(1.0))
+  state = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+  assert int(state.step) == 1 and float(state.params["w"][1]) == 0.0
+  assert float(state.loss_scale) == 1.0

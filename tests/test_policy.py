@@ -1,0 +1,128 @@
+"""Dtype policies: the string grammar, the casts, the platform default."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_scaler
+
+f32, f16, bf16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("params=float32,compute=float16,output=float32", (f32, f16, f32)),
+        ("p=f32,c=bf16,o=f32", (f32, bf16, f32)),
+        ("float32", (f32, f32, f32)),
+        ("bf16", (bf16, bf16, bf16)),
+        ("c=f16", (f32, f16, f16)),  # output follows compute
+        ("p=f16", (f16, f16, f16)),  # compute follows params
+        ("p=bf16,c=f32", (bf16, f32, f32)),
+        ("o=bf16", (f32, f32, bf16)),
+        (" P = Full , C = Float16 ", (f32, f16, f16)),
+        ("c=half", (f32, f16, f16)),  # half is float16 off TPU
+    ],
+)
+def test_grammar(spec, expected):
+  p = jmp_scaler.get_policy(spec)
+  assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("p=f32,q=f16", "'q'"),
+        ("c=f8", "'f8'"),
+        ("float64", "'float64'"),
+        ("p=f32,params=f16", "'params' repeated"),
+        ("c=f16,c=f16", "'compute' repeated"),
+        ("p=f32,,c=f16", "malformed policy part ''"),
+        ("p=", "malformed policy part 'p='"),
+        ("=f16", "malformed policy part '=f16'"),
+        ("c=f16=f32", "malformed"),
+        ("", "non-empty"),
+        (None, "non-empty"),
+    ],
+)
+def test_bad_specs_name_the_offending_part(spec, fragment):
+  with pytest.raises(ValueError) as err:
+    jmp_scaler.get_policy(spec)
+  assert fragment in str(err.value)
+
+
+def test_policy_is_frozen_hashable_and_a_static_jit_argument():
+  p = jmp_scaler.get_policy("p=f32,c=f16,o=f32")
+  assert p == jmp_scaler.Policy(jnp.float32, "float16", np.float32)
+  assert hash(p) == hash(jmp_scaler.Policy("float32", "float16", "float32"))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    p.compute_dtype = f32
+
+  f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+  assert f(jnp.ones(2), p).dtype == f16
+  assert f(jnp.ones(2), jmp_scaler.get_policy("c=bf16")).dtype == bf16
+  assert str(p) == "p=f32,c=f16,o=f32"
+
+
+def test_casts_touch_floating_leaves_only():
+  p = jmp_scaler.get_policy("p=f32,c=bf16,o=f16")
+  tree = {"w": jnp.ones(2), "h": jnp.ones(2, f16), "i": jnp.arange(2), "b": jnp.array([True]),
+          "n": None, "py": 1.5, "np": np.ones(2, np.float64)}  # fmt: skip
+  out = p.cast_to_compute(tree)
+  assert out["w"].dtype == bf16 and out["h"].dtype == bf16 and out["np"].dtype == bf16
+  assert out["i"].dtype == jnp.int32 and out["b"].dtype == jnp.bool_
+  assert out["n"] is None and out["py"] == 1.5
+  assert p.cast_to_param(tree)["h"].dtype == f32
+  assert p.cast_to_output(tree)["w"].dtype == f16
+  assert p.with_output_dtype(jnp.float32).output_dtype == f32
+
+
+@pytest.mark.parametrize("dtype", ["int32", jnp.bool_, "not-a-dtype"])
+def test_policy_rejects_non_floating_dtypes(dtype):
+  with pytest.raises(ValueError, match="compute_dtype"):
+    jmp_scaler.Policy(f32, dtype, f32)
+
+
+@dataclasses.dataclass
+class FakeDevice:
+  platform: str
+  compute_capability: str | None = None
+
+
+@pytest.mark.parametrize(
+    "device, compute",
+    [
+        (FakeDevice("tpu"), bf16),
+        (FakeDevice("gpu", "9.0"), bf16),
+        (FakeDevice("gpu", "8.0"), bf16),
+        (FakeDevice("gpu", "7.5"), f16),
+        (FakeDevice("gpu", "6.1"), f16),
+        (FakeDevice("rocm"), bf16),
+        (FakeDevice("cpu"), f32),
+    ],
+)
+def test_default_policy_follows_the_device(device, compute):
+  p = jmp_scaler.default_policy(device)
+  assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (f32, compute, f32)
+
+
+def test_default_policy_on_this_machine_is_float32():
+  assert jmp_scaler.default_policy().compute_dtype == f32  # the tests run on CPU
+
+
+def test_policy_recommends_its_loss_scaler():
+  params = {"w": jnp.ones(2)}
+  fp16 = jmp_scaler.get_policy("c=f16")
+  assert fp16.needs_loss_scaling and jmp_scaler.get_policy("p=f16").needs_loss_scaling
+  state = fp16.loss_scaler(init_scale=8.0).init(params)
+  assert float(jmp_scaler.get_scale(state)) == 8.0
+  for spec in ("c=bf16", "f32"):
+    p = jmp_scaler.get_policy(spec)
+    assert not p.needs_loss_scaling
+    tx = optax.chain(p.loss_scaler(), optax.sgd(1.0))
+    assert jmp_scaler.find_scale_state(tx.init(params)) is None
+    assert float(jmp_scaler.get_scale(tx.init(params))) == 1.0
