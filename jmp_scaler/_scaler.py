@@ -96,7 +96,7 @@ def _positive_f32(name: str, value: Any) -> float:
   x = _real(name, value)
   if not math.isfinite(x) or x <= 0:
     raise ValueError(f"{name} must be positive and finite, got {value!r}")
-  if x > _F32.max or np.float32(x) < _F32.tiny:
+  if x > float(_F32.max) or np.float32(x) < _F32.tiny:
     raise ValueError(
         f"{name} must lie in float32's normal range "
         f"[{_F32.tiny:.3e}, {_F32.max:.3e}], got {value!r}"
@@ -360,20 +360,17 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   """Whether every floating leaf of ``grads / state.scale`` is finite.
 
-  One read of the gradients (a max-abs reduction per leaf); non-floating
-  leaves and ``None`` are ignored. Because rounding is monotone, the unscaled
-  largest magnitude overflows exactly when some unscaled element does, so
-  the decision equals checking the unscaled tree without materialising it.
-  With ``state.config.axis_name`` set, the decision is reduced over those
-  mapped axes: every device returns the same value.
+  One read of the gradients: the unscaling multiply is fused into the
+  ``isfinite`` reduction, so the unscaled tree is never materialised, and an
+  overflow of the unscaling itself (a float16 gradient divided by a scale
+  below 1) counts as non-finite. Non-floating leaves and ``None`` are
+  ignored. With ``state.config.axis_name`` set, the decision is reduced over
+  those mapped axes: every device returns the same value.
   """
-  inv = 1.0 / state.scale
-  flags = []
-  for g in jax.tree.leaves(grads):
-    if not _floating(g) or g.size == 0:
-      continue
-    peak = jnp.max(jnp.abs(g)).astype(_math_dtype(g.dtype)) * inv
-    flags.append(jnp.isfinite(peak.astype(g.dtype)))
+  unscaled = unscale(grads, state.scale)
+  flags = [
+      jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled) if _floating(g) and g.size
+  ]
   finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
   axes = state.config.axis_name
   if axes is not None:
