@@ -39,8 +39,9 @@ class ScaleConfig(struct.PyTreeNode):
   The numeric fields are float32/int32 scalar leaves: they are saved with every
   checkpoint (as PyTorch's ``GradScaler.state_dict`` saves its factors) and the
   update rule reads them from the state, so a restored run continues with the
-  configuration it was saved with. ``axis_name`` is static (part of the tree
-  structure, never a leaf).
+  configuration it was saved with. ``axis_name`` and ``skip_mode`` are static
+  (part of the tree structure, never leaves): they describe the program, not
+  the training run.
   """
 
   growth_factor: jax.Array
@@ -50,6 +51,7 @@ class ScaleConfig(struct.PyTreeNode):
   max_scale: jax.Array
   hysteresis: jax.Array
   axis_name: Hashable | None = struct.field(pytree_node=False, default=None)
+  skip_mode: str = struct.field(pytree_node=False, default="auto")
 
 
 class LossScaleState(NamedTuple):
@@ -114,6 +116,15 @@ def _int_at_least(name: str, value: Any, low: int) -> int:
   return int(value)
 
 
+SKIP_MODES = ("auto", "cond", "select")
+
+
+def _skip_mode(value: Any) -> str:
+  if value not in SKIP_MODES:
+    raise ValueError(f"skip_mode must be one of {SKIP_MODES}, got {value!r}")
+  return value
+
+
 def _axis_name(value: Any) -> Hashable | None:
   if value is None or isinstance(value, str):
     return value
@@ -139,6 +150,7 @@ def _transformation(
     max_scale: float,
     hysteresis: int,
     axis_name: Hashable | None,
+    skip_mode: str,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation from validated values."""
 
@@ -162,6 +174,7 @@ def _transformation(
             max_scale=f32(max_scale),
             hysteresis=i32(hysteresis),
             axis_name=axis_name,
+            skip_mode=skip_mode,
         ),
     )
 
@@ -192,6 +205,7 @@ def dynamic_scale(
     max_scale: float = DEFAULT_MAX_SCALE,
     hysteresis: int = 1,
     axis_name: Hashable | None = None,
+    skip_mode: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling, step for step PyTorch's ``torch.amp.GradScaler``.
 
@@ -235,6 +249,13 @@ def dynamic_scale(
     axis_name: mapped axis name(s) (``shard_map``/``pmap``) over which each
       device holds only its shard of the gradients; the finiteness decision is
       reduced over them so every device skips together and keeps one scale.
+    skip_mode: how :class:`jmp_scaler.TrainState` and
+      :func:`jmp_scaler.skip_nonfinite` skip: ``"cond"`` runs the optimizer
+      under ``lax.cond`` (nothing is computed on a skip; cheapest on CPU and
+      TPU), ``"select"`` always runs it and keeps the old values with a fused
+      ``jnp.where`` (no branch, so no predicate for the host to read: GPU),
+      ``"auto"`` picks ``"select"`` on GPU and ``"cond"`` elsewhere, when the
+      step is traced. The results are bit-identical.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -287,11 +308,12 @@ def dynamic_scale(
       max_scale=hi,
       hysteresis=_int_at_least("hysteresis", hysteresis, 1),
       axis_name=_axis_name(axis_name),
+      skip_mode=_skip_mode(skip_mode),
   )
 
 
 def fixed_scale(
-    scale: float, *, axis_name: Hashable | None = None
+    scale: float, *, axis_name: Hashable | None = None, skip_mode: str = "auto"
 ) -> optax.GradientTransformationExtraArgs:
   """A constant loss scale, with the same state as :func:`dynamic_scale`.
 
@@ -303,6 +325,7 @@ def fixed_scale(
   Args:
     scale: the constant scale; positive and finite in float32.
     axis_name: as in :func:`dynamic_scale`.
+    skip_mode: as in :func:`dynamic_scale`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -318,18 +341,19 @@ def fixed_scale(
       max_scale=s,
       hysteresis=1,
       axis_name=_axis_name(axis_name),
+      skip_mode=_skip_mode(skip_mode),
   )
 
 
 def no_scale(
-    *, axis_name: Hashable | None = None
+    *, axis_name: Hashable | None = None, skip_mode: str = "auto"
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling turned off (PyTorch's ``GradScaler(enabled=False)``).
 
   ``fixed_scale(1.0)``: the loss is not scaled, but non-finite steps are still
   skipped and counted, and the state matches :func:`dynamic_scale`'s.
   """
-  return fixed_scale(1.0, axis_name=axis_name)
+  return fixed_scale(1.0, axis_name=axis_name, skip_mode=skip_mode)
 
 
 # --------------------------------------------------------------------------

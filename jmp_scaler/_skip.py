@@ -2,12 +2,14 @@
 
 A chain head cannot undo what the transformations after it do, so the skip is
 taken around the chain: the finiteness decision is made first (one read of
-the gradients), then ``lax.cond`` either runs the whole chain, or leaves every
-state untouched except the scaler's own, which backs off.
+the gradients), then either ``lax.cond`` runs the whole chain or leaves every
+state untouched except the scaler's own, which backs off; or (``"select"``
+mode) the chain always runs and a fused ``jnp.where`` keeps the old values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,24 +38,40 @@ def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
   return replace_scale_state(opt_state, next_state(scaler, False))
 
 
-def guarded(finite: jax.Array, apply, skip):
-  """``lax.cond(finite, apply, skip)``, with ``skip`` shaped like ``apply``.
+def uses_cond(scaler: LossScaleState) -> bool:
+  """Whether to skip with ``lax.cond`` (else with a fused ``jnp.where``)."""
+  mode = scaler.config.skip_mode
+  if mode == "auto":
+    return jax.default_backend() != "gpu"
+  return mode == "cond"
 
-  ``skip`` receives the shapes of ``apply``'s outputs. Its outputs are cast
-  to ``apply``'s dtypes, so an inner transformation that changes a state
-  leaf's dtype on its first update (Adam's moments of an integer leaf) does
-  not break the ``cond``.
+
+def guarded(
+    scaler: LossScaleState,
+    finite: jax.Array,
+    apply: Callable[[Any], Any],
+    skip: Callable[[Any], Any],
+):
+  """``apply(True)`` if ``finite`` else ``skip(shapes)``, without a host sync.
+
+  ``apply(decision)`` runs the chain, handing ``decision`` to the scaler so
+  that it does not read the gradients again; ``skip`` receives the shapes of
+  ``apply``'s outputs, and its outputs are cast to their dtypes (an inner
+  transformation may change a state leaf's dtype on its first update, as
+  Adam's moments of an integer leaf do). In ``"cond"`` mode a ``lax.cond``
+  runs one of the two; in ``"select"`` mode both run and ``jnp.where`` keeps
+  one, leaf by leaf: bit-identical results either way.
   """
-  shapes = jax.eval_shape(apply)
+  shapes = jax.eval_shape(apply, True)
 
   def skip_typed():
     return jax.tree.map(
-        lambda x, s: x if x.dtype == s.dtype else x.astype(s.dtype),
-        skip(shapes),
-        shapes,
+        lambda x, s: x if x.dtype == s.dtype else x.astype(s.dtype), skip(shapes), shapes
     )
 
-  return jax.lax.cond(finite, apply, skip_typed)
+  if uses_cond(scaler):
+    return jax.lax.cond(finite, lambda: apply(True), skip_typed)
+  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), apply(finite), skip_typed())
 
 
 def skip_nonfinite(
@@ -68,17 +86,18 @@ def skip_nonfinite(
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
 
-  On a step whose unscaled gradients hold inf or NaN, ``inner`` does not run:
-  its state (Adam's ``mu``, ``nu`` and ``count``, so schedules do not
-  advance) is returned bit-identical, the scaler backs off, and the updates
-  are ``-0.0``, which ``optax.apply_updates`` adds to the parameters without
+  On a step whose unscaled gradients hold inf or NaN, ``inner``'s state
+  (Adam's ``mu``, ``nu`` and ``count``, so schedules do not advance) is
+  returned bit-identical, the scaler backs off, and the updates are
+  ``-0.0``, which ``optax.apply_updates`` adds to the parameters without
   changing a single bit (``x + -0.0 == x`` for every ``x``, ``-0.0``
   included). Unlike ``optax.apply_if_finite`` there is no limit on the
   number of consecutive skips: no inf or NaN ever reaches the state.
 
   The state is ``inner``'s own (no wrapper state), so checkpoints, compiled
   shapes and :func:`jmp_scaler.get_scale` are the same with or without it.
-  Without a scaler in ``inner``'s state the wrapper changes nothing.
+  Without a scaler in ``inner``'s state the wrapper changes nothing. The
+  scaler's ``skip_mode`` chooses between ``lax.cond`` and a fused select.
 
   Args:
     inner: a transformation whose state contains one
@@ -94,15 +113,14 @@ def skip_nonfinite(
     scaler, finite = decide(updates, state, extra_args)
     if scaler is None or finite is True:
       return inner.update(updates, state, params, **extra_args)
-    extra_args = {**extra_args, FINITE_KEY: True}
 
-    def apply():
-      return inner.update(updates, state, params, **extra_args)
+    def apply(decision):
+      return inner.update(updates, state, params, **{**extra_args, FINITE_KEY: decision})
 
     def skip(shapes):
       zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes[0])
       return zeros, skipped_state(state, scaler)
 
-    return guarded(finite, apply, skip)
+    return guarded(scaler, finite, apply, skip)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -25,7 +25,8 @@ class TrainState(train_state.TrainState):
     state = jmp_scaler.TrainState.create(apply_fn=model.apply, params=p, tx=tx)
 
   ``apply_gradients`` decides first whether the unscaled gradients are all
-  finite (one read of them), then, under ``lax.cond``:
+  finite (one read of them), then, under ``lax.cond`` (or a fused select:
+  see ``skip_mode`` in :func:`jmp_scaler.dynamic_scale`):
 
   * finite: runs ``tx`` and applies the updates, ``step`` + 1, and replaces
     the fields given as keyword arguments (``batch_stats=...``);
@@ -64,9 +65,9 @@ class TrainState(train_state.TrainState):
       return super().apply_gradients(grads=grads, **kwargs)
     tx = optax.with_extra_args_support(self.tx)
 
-    def apply():
+    def apply(decision):
       updates, opt_state = tx.update(
-          grads_opt, self.opt_state, params_opt, **{FINITE_KEY: True}
+          grads_opt, self.opt_state, params_opt, **{FINITE_KEY: decision}
       )
       new = optax.apply_updates(params_opt, updates)
       if owg:
@@ -80,7 +81,7 @@ class TrainState(train_state.TrainState):
       old = {k: getattr(self, k) for k in kwargs}
       return self.params, skipped_state(self.opt_state, scaler), self.step, old
 
-    params, opt_state, step, fields = guarded(finite, apply, skip)
+    params, opt_state, step, fields = guarded(scaler, finite, apply, skip)
     return self.replace(step=step, params=params, opt_state=opt_state, **fields)
 
   @property

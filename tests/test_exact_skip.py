@@ -58,10 +58,14 @@ def _train_state_step(_, state, bad):
   return state.apply_gradients(grads=grads)
 
 
+MODES = ["cond", "select"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("bad", [jnp.inf, jnp.nan, -jnp.inf])
-def test_train_state_skip_is_bit_identical(name, bad):
-  tx = optax.chain(jmp_scaler.dynamic_scale(), OPTIMIZERS[name]())
+def test_train_state_skip_is_bit_identical(name, bad, mode):
+  tx = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), OPTIMIZERS[name]())
   state = jmp_scaler.TrainState.create(apply_fn=None, params=_params(), tx=tx)
   state = _train_state_step(name, state, 0.0)  # one real step: non-trivial moments
   before = state
@@ -77,9 +81,11 @@ def test_train_state_skip_is_bit_identical(name, bad):
   assert not np.array_equal(resumed.params["dense"]["kernel"], before.params["dense"]["kernel"])
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_pure_optax_skip_is_bit_identical(name):
-  tx = jmp_scaler.skip_nonfinite(optax.chain(jmp_scaler.dynamic_scale(), OPTIMIZERS[name]()))
+def test_pure_optax_skip_is_bit_identical(name, mode):
+  tx = jmp_scaler.skip_nonfinite(
+      optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), OPTIMIZERS[name]()))
   params = _params()
 
   @jax.jit
@@ -97,9 +103,10 @@ def test_pure_optax_skip_is_bit_identical(name):
   assert step._cache_size() == 1
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_applied_step_equals_the_optimizer_on_true_gradients(name):
-  scaled = optax.chain(jmp_scaler.dynamic_scale(), OPTIMIZERS[name]())
+def test_applied_step_equals_the_optimizer_on_true_gradients(name, mode):
+  scaled = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), OPTIMIZERS[name]())
   plain = OPTIMIZERS[name]()
   params = {"w": jnp.linspace(-1.0, 1.0, 6)}
   state = jmp_scaler.TrainState.create(apply_fn=None, params=params, tx=scaled)
@@ -112,9 +119,13 @@ def test_applied_step_equals_the_optimizer_on_true_gradients(name):
   np.testing.assert_allclose(state.params["w"], reference.params["w"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("path", ["train_state", "skip_nonfinite", "bare_chain"])
-def test_no_inf_or_nan_reaches_state_over_long_bad_streaks(path):
-  tx = optax.chain(jmp_scaler.dynamic_scale(growth_interval=3), optax.adam(1e-2))
+@pytest.mark.parametrize(
+    "path, mode",
+    [("train_state", "cond"), ("train_state", "select"), ("skip_nonfinite", "cond"),
+     ("skip_nonfinite", "select"), ("bare_chain", "auto")],
+)
+def test_no_inf_or_nan_reaches_state_over_long_bad_streaks(path, mode):
+  tx = optax.chain(jmp_scaler.dynamic_scale(growth_interval=3, skip_mode=mode), optax.adam(1e-2))
   params = _params()
   pattern = jnp.array([False] * 3 + [True] * 300 + [False, True] * 20 + [False] * 5)
   values = jnp.where(jnp.arange(pattern.size) % 2 == 0, jnp.nan, jnp.inf)
@@ -160,8 +171,9 @@ def test_clipping_after_the_scaler_clips_true_gradients():
   assert float(optax.tree.norm(got)) == pytest.approx(1.0)
 
 
-def test_skipped_step_keeps_extra_fields_like_batch_stats():
-  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))
+@pytest.mark.parametrize("mode", MODES)
+def test_skipped_step_keeps_extra_fields_like_batch_stats(mode):
+  tx = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), optax.sgd(0.1))
 
   class State(jmp_scaler.TrainState):
     batch_stats: dict
@@ -173,6 +185,22 @@ def test_skipped_step_keeps_extra_fields_like_batch_stats():
   np.testing.assert_array_equal(skipped.batch_stats["mean"], np.zeros(2))
   applied = step(state, jnp.ones(2), jnp.full(2, 5.0))
   np.testing.assert_array_equal(applied.batch_stats["mean"], np.full(2, 5.0))
+
+
+@pytest.mark.parametrize("backend, mode, cond", [
+    ("cpu", "auto", True), ("tpu", "auto", True), ("gpu", "auto", False), ("gpu", "cond", True),
+    ("cpu", "select", False),
+])
+def test_auto_skip_mode_follows_the_backend(monkeypatch, backend, mode, cond):
+  from jmp_scaler import _skip
+
+  monkeypatch.setattr(_skip.jax, "default_backend", lambda: backend)
+  state = jmp_scaler.dynamic_scale(skip_mode=mode).init(None)
+  assert _skip.uses_cond(state) is cond
+  tx = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), optax.sgd(0.1))
+  train = jmp_scaler.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+  jaxpr = str(jax.make_jaxpr(lambda s: s.apply_gradients(grads={"w": jnp.ones(2)}))(train))
+  assert ("cond[" in jaxpr) is cond
 
 
 def test_train_state_without_a_scaler_behaves_like_flax():

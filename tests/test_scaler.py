@@ -387,6 +387,7 @@ def test_scale_metrics_keys_and_dtypes():
         ({"hysteresis": 0}, "hysteresis"),
         ({"axis_name": 3}, "axis_name"),
         ({"axis_name": ()}, "axis_name"),
+        ({"skip_mode": "where"}, "skip_mode"),
     ],
 )
 def test_bad_dynamic_scale_arguments_name_the_argument_and_value(kwargs, name):
