@@ -9,6 +9,7 @@ The scaler is an Optax gradient transformation whose state lives in
 from jmp_scaler._lookup import find_scale_state as find_scale_state
 from jmp_scaler._lookup import get_scale as get_scale
 from jmp_scaler._lookup import scale_metrics as scale_metrics
+from jmp_scaler._nnx import NNXOptimizer as NNXOptimizer
 from jmp_scaler._policy import Policy as Policy
 from jmp_scaler._policy import default_policy as default_policy
 from jmp_scaler._policy import get_policy as get_policy
@@ -30,6 +31,7 @@ __all__ = (
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "LossScaleState",
+    "NNXOptimizer",
     "Policy",
     "ScaleConfig",
     "TrainState",
