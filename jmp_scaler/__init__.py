@@ -6,9 +6,16 @@ The scaler is an Optax gradient transformation whose state lives in
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(1e-3))
 """
 
+from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
+from jmp_scaler._diagnostics import UnderflowReport as UnderflowReport
+from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
+from jmp_scaler._diagnostics import underflow_report as underflow_report
 from jmp_scaler._lookup import find_scale_state as find_scale_state
 from jmp_scaler._lookup import get_scale as get_scale
 from jmp_scaler._lookup import scale_metrics as scale_metrics
+from jmp_scaler._monitor import ScaleMonitor as ScaleMonitor
+from jmp_scaler._monitor import ScaleWarning as ScaleWarning
+from jmp_scaler._monitor import to_scalars as to_scalars
 from jmp_scaler._nnx import NNXOptimizer as NNXOptimizer
 from jmp_scaler._policy import Policy as Policy
 from jmp_scaler._policy import default_policy as default_policy
@@ -32,9 +39,13 @@ __all__ = (
     "DEFAULT_MIN_SCALE",
     "LossScaleState",
     "NNXOptimizer",
+    "NonFiniteReport",
     "Policy",
     "ScaleConfig",
+    "ScaleMonitor",
+    "ScaleWarning",
     "TrainState",
+    "UnderflowReport",
     "all_finite",
     "default_policy",
     "dynamic_scale",
@@ -43,7 +54,10 @@ __all__ = (
     "get_policy",
     "get_scale",
     "no_scale",
+    "nonfinite_report",
     "scale_metrics",
     "skip_nonfinite",
+    "to_scalars",
+    "underflow_report",
     "unscale",
 )
