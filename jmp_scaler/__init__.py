@@ -6,10 +6,14 @@ The scaler is an Optax gradient transformation whose state lives in
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(1e-3))
 """
 
+from jmp_scaler._accumulate import AccumulationState as AccumulationState
+from jmp_scaler._accumulate import accumulate_gradients as accumulate_gradients
 from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
 from jmp_scaler._diagnostics import UnderflowReport as UnderflowReport
 from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
 from jmp_scaler._diagnostics import underflow_report as underflow_report
+from jmp_scaler._distributed import check_axis_name as check_axis_name
+from jmp_scaler._distributed import scale_in_sync as scale_in_sync
 from jmp_scaler._lookup import find_scale_state as find_scale_state
 from jmp_scaler._lookup import get_scale as get_scale
 from jmp_scaler._lookup import scale_metrics as scale_metrics
@@ -35,6 +39,7 @@ from jmp_scaler._train_state import TrainState as TrainState
 __version__ = "0.1.0"
 
 __all__ = (
+    "AccumulationState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "LossScaleState",
@@ -46,7 +51,9 @@ __all__ = (
     "ScaleWarning",
     "TrainState",
     "UnderflowReport",
+    "accumulate_gradients",
     "all_finite",
+    "check_axis_name",
     "default_policy",
     "dynamic_scale",
     "find_scale_state",
@@ -55,6 +62,7 @@ __all__ = (
     "get_scale",
     "no_scale",
     "nonfinite_report",
+    "scale_in_sync",
     "scale_metrics",
     "skip_nonfinite",
     "to_scalars",

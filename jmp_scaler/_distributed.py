@@ -1,0 +1,126 @@
+"""Catching a loss scaler whose decision is not shared by every device.
+
+Under ``jax.jit`` with ``NamedSharding`` the gradients are global arrays and
+the decision is global by construction. Under ``jax.shard_map`` or
+``jax.pmap`` each device sees only its own block: unless the scaler's
+``axis_name`` names every mesh axis along which the gradients differ, each
+device decides on its own block, and the devices skip different steps and
+keep different scales. Two checks catch that: :func:`check_axis_name` at
+trace time (free), :func:`scale_in_sync` at run time (one scalar collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp_scaler._lookup import find_scale_state
+from jmp_scaler._scaler import _floating
+
+
+def _names(axis_name: Hashable | None) -> frozenset:
+  if axis_name is None:
+    return frozenset()
+  return frozenset(axis_name) if isinstance(axis_name, tuple) else frozenset([axis_name])
+
+
+def varying_axes(x: Any) -> frozenset:
+  """Mesh axes along which ``x`` (array or ShapeDtypeStruct) differs between devices.
+
+  As ``shard_map`` tracks them (``check_vma=True``); empty elsewhere.
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+  if manual is not None:
+    return frozenset(getattr(manual, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()))  # older jax
+
+
+def match_varying(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` cast to ``like``'s dtype and marked varying along ``like``'s varying axes.
+
+  The two branches of a ``lax.cond`` inside ``shard_map`` must agree on both.
+  """
+  x = x.astype(like.dtype)
+  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  if not missing:
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)  # older jax
+
+
+def check_axis_name(grads: Any, opt_state: Any) -> None:
+  """Raises if the scaler in ``opt_state`` would decide differently on different devices.
+
+  Call it inside a ``jax.shard_map`` body, on the gradients about to be
+  handed to the optimizer. It reads only types, at trace time: it costs
+  nothing at run time and never syncs with the host. ``shard_map`` tracks
+  along which mesh axes each value varies (``check_vma=True``, the default);
+  if the gradients vary along an axis that the scaler's ``axis_name`` does
+  not reduce over, each device would decide on its own block, skip its own
+  steps and keep its own scale. Gradients already averaged over the data
+  axis (``lax.pmean``) are the same everywhere and need no ``axis_name``.
+
+  Outside ``shard_map``, under ``check_vma=False`` or ``pmap`` (whose types
+  carry no such information) it checks nothing; use :func:`scale_in_sync`.
+
+  Args:
+    grads: the gradients handed to ``tx.update`` / ``apply_gradients``.
+    opt_state: the optimizer state holding the scaler (nothing is checked
+      without one).
+
+  Raises:
+    ValueError: naming the missing axes and the ``axis_name`` to use.
+  """
+  scaler = find_scale_state(opt_state)
+  if scaler is None:
+    return
+  varying = frozenset()
+  for g in jax.tree.leaves(grads):
+    if _floating(g):
+      varying |= varying_axes(g)
+  declared = scaler.config.axis_name
+  missing = varying - _names(declared)
+  if missing:
+    wanted = tuple(sorted(varying | _names(declared)))
+    wanted = wanted[0] if len(wanted) == 1 else wanted
+    raise ValueError(
+        f"the gradients differ between devices along mesh axes {sorted(missing)}, but the "
+        f"loss scaler has axis_name={declared!r}: each device would decide on its own "
+        f"block, skip different steps and keep a different scale. Use "
+        f"dynamic_scale(..., axis_name={wanted!r})."
+    )
+
+
+def scale_in_sync(opt_state: Any, axis_name: Hashable) -> jax.Array:
+  """Whether every device along ``axis_name`` holds the same scaler state.
+
+  For ``shard_map`` and ``pmap`` bodies, where a scaler without the right
+  ``axis_name`` lets devices drift apart silently (``pmap`` tracks no
+  types, so :func:`check_axis_name` cannot see it). Compares the scale (bit
+  for bit) and the integer counters with one all-reduce (a ``pmax`` of
+  14 int32 scalars); log the result with the scaler's metrics. True without a scaler.
+
+  Args:
+    opt_state: the optimizer state holding the scaler.
+    axis_name: the mapped axis name(s) to compare over.
+
+  Returns:
+    A bool scalar array, the same on every device.
+  """
+  s = find_scale_state(opt_state)
+  if s is None:
+    return jnp.asarray(True)
+  fields = [
+      jax.lax.bitcast_convert_type(s.scale, jnp.int32),
+      s.growth_tracker, s.hysteresis_tracker, s.skipped.astype(jnp.int32),
+      s.consecutive_skips, s.total_skips, s.steps,
+  ]
+  v = jnp.stack([jnp.asarray(f, jnp.int32) for f in fields])
+  # max(v) == -max(-v) == min(v) on every field iff all devices agree (no value is INT_MIN).
+  both = jax.lax.pmax(jnp.concatenate([v, -v]), axis_name)
+  return jnp.all(both[: v.size] == -both[v.size:])

@@ -1,0 +1,173 @@
+"""One decision everywhere: 8 virtual CPU devices, one shard overflows, all skip.
+
+The scenarios run once, in a subprocess (``tests/md_worker.py`` sets
+``XLA_FLAGS`` before importing jax); the tests assert on what it reports.
+The checks that need no second device run here, on a one-device mesh.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_scaler
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SCALE = 2.0**10
+EXPECTED_SCALES = [SCALE, SCALE, SCALE / 2, SCALE / 2]  # step 2 overflows on one device
+N = 8
+
+
+@pytest.fixture(scope="module")
+def report():
+  out = subprocess.run([sys.executable, str(TESTS / "md_worker.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _scenario(report, name):
+  r = report[name]
+  assert "error" not in r, r.get("error")
+  return r
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp"])
+def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
+  r = _scenario(report, name)
+  assert r["scales"] == r["ref_scales"] == EXPECTED_SCALES
+  assert r["step"] == 3  # three applied updates out of four
+  assert r["skip_exact_every_shard"]  # every shard of the params bit-identical on the skip
+  assert r["scale_replicated"] and r["scale_copies_identical"]
+  assert r["params_copies_identical"]
+  # The same global batch on one device: equal up to float32 reduction order.
+  assert r["rel_diff"] < 1e-6
+
+
+def test_fsdp_keeps_params_and_moments_sharded(report):
+  assert _scenario(report, "fsdp")["mu_spec"] == "P('d',)"
+  assert _scenario(report, "dp")["mu_spec"] == "P()"
+
+
+def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
+  dp, fsdp = _scenario(report, "dp"), _scenario(report, "fsdp")
+  # Data parallel: the gradients are already replicated, the decision is local.
+  assert dp["collectives"] == dp["baseline_collectives"]
+  assert dp["scalar_all_reduces"] == 0
+  # FSDP: exactly one more all-reduce, of per-leaf scalars (the global max-abs).
+  extra = dict(fsdp["collectives"])
+  extra["all-reduce"] -= 1
+  assert extra == fsdp["baseline_collectives"]
+  assert fsdp["scalar_all_reduces"] == 1 and fsdp["baseline_scalar_all_reduces"] == 0
+
+
+def test_shard_map_with_axis_name_every_device_skips(report):
+  r = _scenario(report, "shard_map")
+  assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
+  assert r["ref_scales"] == EXPECTED_SCALES
+  assert r["step"] == 3 and r["rel_diff"] < 1e-6
+
+
+def test_shard_map_without_axis_name_devices_drift_and_check_axis_name_says_so(report):
+  r = _scenario(report, "shard_map")
+  drift = r["no_axis_unchecked_scales"]
+  assert drift[-1] == [SCALE if d != 3 else SCALE / 2 for d in range(N)]  # silently apart
+  assert r["no_axis_check_error"].startswith("ValueError: the gradients differ between "
+                                             "devices along mesh axes ['d']")
+  assert "axis_name='d'" in r["no_axis_check_error"]
+
+
+def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(report):
+  r = _scenario(report, "accumulate")
+  # Window 0 (micro-batches 0, 1): device 3's micro-batch 1 overflows; every device
+  # drops it, applies micro-batch 0 alone and backs off; window 1 is clean.
+  assert r["per_device_scales"] == [[SCALE] * N] + [[SCALE / 2] * N] * 3
+  assert r["ref_scale"] == SCALE / 2 and r["dropped"] == 1 and r["adam_count"] == 2
+  assert r["rel_diff"] < 1e-6
+
+
+def test_pmap_with_axis_name_every_device_skips(report):
+  r = _scenario(report, "pmap")
+  assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
+  assert r["devices_bitwise_equal"] and r["rel_diff"] < 1e-6
+  assert all(all(row) for row in r["in_sync"])
+
+
+def test_pmap_without_axis_name_drifts_and_scale_in_sync_reports_it(report):
+  r = _scenario(report, "pmap_no_axis")
+  assert r["per_device_scales"][-1] == [SCALE if d != 3 else SCALE / 2 for d in range(N)]
+  assert not r["devices_bitwise_equal"]
+  assert r["in_sync"] == [[True] * N, [True] * N, [False] * N, [False] * N]
+
+
+# --------------------------------------------------------------------------
+# In process, on a one-device mesh: shard_map tracks varying axes all the same.
+
+
+def _one_device_shard_map(fn, grads, opt_state, grad_spec):
+  mesh = jax.make_mesh((1,), ("d",))
+  grads = jax.device_put(grads, NamedSharding(mesh, grad_spec))
+  return jax.shard_map(fn, mesh=mesh, in_specs=(grad_spec, P()), out_specs=P())(grads, opt_state)
+
+
+@pytest.mark.parametrize(
+    "axis_name, grad_spec, error",
+    [
+        (None, P("d"), r"along mesh axes \['d'\].*axis_name=None.*axis_name='d'"),
+        ("d", P("d"), None),
+        (None, P(), None),  # gradients already averaged: the same everywhere
+    ],
+)
+def test_check_axis_name(axis_name, grad_spec, error):
+  tx = optax.chain(jmp_scaler.dynamic_scale(axis_name=axis_name), optax.sgd(0.1))
+  opt_state = tx.init(jnp.zeros(2))
+
+  def fn(g, s):
+    jmp_scaler.check_axis_name(g, s)
+    return jnp.zeros([])
+
+  if error is None:
+    _one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)
+  else:
+    with pytest.raises(ValueError, match=error):
+      _one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)
+
+
+def test_check_axis_name_outside_shard_map_and_without_scaler_checks_nothing():
+  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))
+  jmp_scaler.check_axis_name(jnp.ones(2), tx.init(jnp.zeros(2)))
+  jmp_scaler.check_axis_name(jnp.ones(2), optax.sgd(0.1).init(jnp.zeros(2)))
+
+
+def test_scale_in_sync_in_process():
+  tx = optax.chain(jmp_scaler.dynamic_scale(axis_name="d"), optax.sgd(0.1))
+  opt_state = tx.init(jnp.zeros(2))
+  fn = lambda g, s: jmp_scaler.scale_in_sync(s, "d")
+  assert bool(_one_device_shard_map(fn, jnp.ones(2), opt_state, P("d")))
+  pmapped = jax.pmap(lambda s: jmp_scaler.scale_in_sync(s, "d"), axis_name="d")
+  assert np.asarray(pmapped(jax.tree.map(lambda a: a[None], opt_state))).tolist() == [True]
+  no_scaler = jax.pmap(lambda s: jmp_scaler.scale_in_sync(s, "d"), axis_name="d")
+  assert np.asarray(no_scaler({"x": jnp.zeros((1,))})).tolist() == [True]
+
+
+def test_example_runs():
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--devices", "4",
+       "--steps", "3", "--bad-step", "1", "--fsdp"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  assert "skipped=True" in lines[1] and "skipped=False" in lines[2]
+  assert "devices: 4  applied updates: 2  total skips: 1" in out.stdout
+  assert "scale replicated: True" in out.stdout
+  assert "Adam mu['w1'] sharding: P('data',)" in out.stdout
