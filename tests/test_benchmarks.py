@@ -1,0 +1,80 @@
+"""The benchmark scripts run (tiny sizes, in a subprocess) and print every variant."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tiny graphs: compile fast (XLA:CPU's default codegen spends seconds per step).
+_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def _run(script, *args):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
+  out = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "benchmarks", script), *args],
+      capture_output=True, text=True, env=env, timeout=300, cwd=_ROOT,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def _rows(table):
+  """variant name -> list of its columns, from one printed table."""
+  lines = table.splitlines()
+  start = next(i for i, ln in enumerate(lines) if ln.startswith("---")) + 1
+  rows = {}
+  for ln in lines[start:]:
+    if not ln.strip() or ln.startswith("peak "):
+      break
+    rows[ln.split()[0]] = ln.split()
+  return rows
+
+
+@pytest.fixture(scope="module")
+def cpu_tables():
+  out = _run("bench_cpu.py", "--quick")
+  tables = re.split(r"\n## ", out)[1:]
+  return {t.split(":")[0]: t for t in tables}
+
+
+def test_bench_cpu_quick_prints_every_variant_for_both_models(cpu_tables):
+  assert sorted(cpu_tables) == ["mlp", "transformer"]
+  expected = ["none", "trainstate", "optax", "flax", "apply_if_finite"]
+  if importlib.util.find_spec("jmp") is not None:
+    expected.append("jmp")
+  for table in cpu_tables.values():
+    rows = _rows(table)
+    assert list(rows) == expected
+    for name in expected:
+      ms, ratio = float(rows[name][1]), float(rows[name][3])
+      assert ms > 0 and ratio > 0
+    assert float(rows["none"][3]) == 1.0
+
+
+def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
+  for table in cpu_tables.values():
+    header = table.split("\n---")[0].splitlines()[-1].split()
+    traces = header.index("traces") - 2  # "median ms" and "temp MiB" are two words
+    for name in ("trainstate", "optax"):
+      row = _rows(table)[name]
+      assert row[traces] == "1", row
+      line = " ".join(row)
+      assert "yes" in row  # every timed step was finite
+      assert re.search(r"kept, scale 1024->512$", line), line
+    assert _rows(table)["none"][-1] == "APPLIED"  # the overflow step is real
+
+
+def test_bench_gpu_quick_runs_on_cpu():
+  out = _run("bench_gpu.py", "--quick")
+  rows = _rows(out)
+  names = ["fp32", "bf16", "fp16", "fp16+trainstate", "fp16+optax", "fp16+select"]
+  assert list(rows) == names
+  for name in names:
+    assert float(rows[name][1]) > 0, rows[name]
+    assert rows[name][-1] == "yes", rows[name]
+  assert float(rows["bf16"][3]) == 1.0
