@@ -18,7 +18,10 @@ def _flat(state: Any) -> dict[tuple, Any]:
   return dict(nnx.to_flat_state(nnx.as_pure(state)))
 
 
-def _snapshot(restore_on_skip: Any) -> dict[tuple, Any]:
+def _restorable(model: Any, restore_on_skip: Any, graph: bool | None):
+  """(snapshot, current values) of the variables in ``restore_on_skip``."""
+  if restore_on_skip is None:
+    return None, None
   refs = jax.tree.leaves(restore_on_skip, is_leaf=lambda x: isinstance(x, nnx.Variable))
   if any(isinstance(x, nnx.Variable) for x in refs):
     raise ValueError(
@@ -26,7 +29,14 @@ def _snapshot(restore_on_skip: Any) -> dict[tuple, Any]:
         "references that the forward pass updates): take the snapshot with "
         "nnx.as_pure(nnx.state(model, nnx.BatchStat)) before the forward pass"
     )
-  return _flat(nnx.State(restore_on_skip) if isinstance(restore_on_skip, dict) else restore_on_skip)
+  if isinstance(restore_on_skip, dict):
+    restore_on_skip = nnx.State(restore_on_skip)
+  snapshot = _flat(restore_on_skip)
+  now = _flat(nnx.state(model, graph=graph))
+  missing = [p for p in snapshot if p not in now]
+  if missing:
+    raise ValueError(f"restore_on_skip holds paths that are not in the model: {missing[:3]}")
+  return snapshot, {p: now[p] for p in snapshot}
 
 
 class NNXOptimizer(nnx.Optimizer):
@@ -90,6 +100,7 @@ class NNXOptimizer(nnx.Optimizer):
     Returns:
       The updates applied (``-0.0`` everywhere on a skipped step).
     """
+    snapshot, current = _restorable(model, restore_on_skip, self.graph)
     opt_state = nnx.as_pure(self.opt_state)
     grads_in = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     scaler, finite = decide(grads_in, opt_state, {})
@@ -100,16 +111,6 @@ class NNXOptimizer(nnx.Optimizer):
     tx = optax.with_extra_args_support(self.tx)
     kwargs = nnx.as_pure(kwargs)
     step = self.step[...]
-    snapshot = None if restore_on_skip is None else _snapshot(restore_on_skip)
-    current = None
-    if snapshot is not None:
-      now = _flat(nnx.state(model, graph=self.graph))
-      missing = [p for p in snapshot if p not in now]
-      if missing:
-        raise ValueError(
-            f"restore_on_skip holds paths that are not in the model: {missing[:3]}"
-        )
-      current = {p: now[p] for p in snapshot}
 
     def apply(decision):
       extra = {**kwargs, FINITE_KEY: decision}
