@@ -8,6 +8,10 @@ The scaler is an Optax gradient transformation whose state lives in
 
 from jmp_scaler._accumulate import AccumulationState as AccumulationState
 from jmp_scaler._accumulate import accumulate_gradients as accumulate_gradients
+from jmp_scaler._autocast_linen import LINEN_FLOAT32_MODULES as LINEN_FLOAT32_MODULES
+from jmp_scaler._autocast_linen import autocast_linen as autocast_linen
+from jmp_scaler._autocast_nnx import NNX_FLOAT32_MODULES as NNX_FLOAT32_MODULES
+from jmp_scaler._autocast_nnx import autocast_nnx as autocast_nnx
 from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
 from jmp_scaler._diagnostics import UnderflowReport as UnderflowReport
 from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
@@ -42,8 +46,10 @@ __all__ = (
     "AccumulationState",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
+    "LINEN_FLOAT32_MODULES",
     "LossScaleState",
     "NNXOptimizer",
+    "NNX_FLOAT32_MODULES",
     "NonFiniteReport",
     "Policy",
     "ScaleConfig",
@@ -53,6 +59,8 @@ __all__ = (
     "UnderflowReport",
     "accumulate_gradients",
     "all_finite",
+    "autocast_linen",
+    "autocast_nnx",
     "check_axis_name",
     "default_policy",
     "dynamic_scale",
