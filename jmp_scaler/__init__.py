@@ -12,6 +12,11 @@ from jmp_scaler._autocast_linen import LINEN_FLOAT32_MODULES as LINEN_FLOAT32_MO
 from jmp_scaler._autocast_linen import autocast_linen as autocast_linen
 from jmp_scaler._autocast_nnx import NNX_FLOAT32_MODULES as NNX_FLOAT32_MODULES
 from jmp_scaler._autocast_nnx import autocast_nnx as autocast_nnx
+from jmp_scaler._checkpoint import check_restored as check_restored
+from jmp_scaler._checkpoint import from_bytes as from_bytes
+from jmp_scaler._checkpoint import restore_checkpoint as restore_checkpoint
+from jmp_scaler._checkpoint import save_checkpoint as save_checkpoint
+from jmp_scaler._checkpoint import to_bytes as to_bytes
 from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
 from jmp_scaler._diagnostics import UnderflowReport as UnderflowReport
 from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
@@ -62,17 +67,22 @@ __all__ = (
     "autocast_linen",
     "autocast_nnx",
     "check_axis_name",
+    "check_restored",
     "default_policy",
     "dynamic_scale",
     "find_scale_state",
     "fixed_scale",
+    "from_bytes",
     "get_policy",
     "get_scale",
     "no_scale",
     "nonfinite_report",
+    "restore_checkpoint",
+    "save_checkpoint",
     "scale_in_sync",
     "scale_metrics",
     "skip_nonfinite",
+    "to_bytes",
     "to_scalars",
     "underflow_report",
     "unscale",
