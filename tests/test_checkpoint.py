@@ -31,6 +31,8 @@ def make_tx(**kw):
 
 
 TX = make_tx()  # one object: the jitted steps see one static tx and compile once
+# Faster XLA compilation (about half the CPU time); both runs use the same.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _bits(tree):
@@ -71,7 +73,7 @@ def fresh_state(tx=TX):
 TRACES = []
 
 
-@jax.jit
+@functools.partial(jax.jit, compiler_options=FAST)
 def train_step(state, x, bad):
   TRACES.append(None)
   y = jnp.sin(x.sum(1, keepdims=True))
@@ -196,19 +198,33 @@ class Net(nnx.Module):
     return self.l2(self.drop(jax.nn.relu(self.ln(self.l1(x)))))
 
 
-@nnx.jit
-def _build():
+def _make():
   key = lambda i: jax.random.key(i, impl="unsafe_rbg")  # fast to compile
   model = Net(nnx.Rngs(key(0), dropout=key(1)))
   return model, jmp_scaler.NNXOptimizer(model, TX, wrt=nnx.Param)
 
 
-@nnx.jit
-def nnx_step(model, opt, x, bad):
+GRAPHDEF = nnx.graphdef(nnx.eval_shape(_make))
+_init = jax.jit(lambda: nnx.state(_make()), compiler_options=FAST)
+
+
+def _build():
+  """A fresh (model, optimizer), initialised by one jitted program."""
+  return nnx.merge(GRAPHDEF, _init())
+
+
+@functools.partial(jax.jit, compiler_options=FAST)
+def _pure_step(state, x, bad):
+  model, opt = nnx.merge(GRAPHDEF, state)
   y = jnp.sin(x.sum(1, keepdims=True))
   scale = opt.loss_scale
   grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2) * scale)(model)
   opt.update(model, jax.tree.map(lambda g: jnp.where(bad, jnp.inf, g), grads))
+  return nnx.state((model, opt))
+
+
+def nnx_step(model, opt, x, bad):
+  nnx.update((model, opt), _pure_step(nnx.state((model, opt)), x, bad))
 
 
 def nnx_run(model, opt, start, stop):
