@@ -23,7 +23,7 @@ def stream(events, *, init=2.0**16, interval=100, lo=jmp_scaler.DEFAULT_MIN_SCAL
     else:
       tracker, consecutive = tracker + 1, 0
       if tracker == interval:  # a growth whose result is not finite in float32 is refused
-        scale = min(scale * 2, hi) if scale * 2 <= np.finfo(np.float32).max else scale
+        scale = min(scale * 2, hi) if scale * 2 <= float(np.finfo(np.float32).max) else scale
         tracker = 0
     out.append({"scale": np.float32(scale), "skipped": np.bool_(e == "x"),
                 "consecutive_skips": np.int32(consecutive), "total_skips": np.int32(skips),

@@ -1,0 +1,151 @@
+"""A debugging session: float16 training goes NaN; find the culprit, fix it.
+
+The injected bug is a classic of tabular data: one feature, ``price``, is
+left in raw units (tens of thousands). float32 does not mind; float16's
+largest finite value is 65504. The session follows the article's habits:
+
+1. symptom: float16 + ``dynamic_scale`` skips every step; ``ScaleMonitor``
+   warns that the scale collapses;
+2. control: a fixed scale of 1 (``fixed_scale(1.0)``) still skips every
+   step, so no loss scale can help: something overflows on its own;
+3. ``nonfinite_report(grads)``: every gradient leaf is NaN, so the forward
+   pass is already broken;
+4. ``nonfinite_report`` of the float16 inputs and of each layer's output
+   (flax's ``capture_intermediates``) names the first culprit, and
+   ``underflow_report`` of the float32 inputs names the feature that cannot
+   be represented;
+5. fix: standardise the features (in float32, before the cast), retrain, and
+   compare with the float32 baseline.
+
+  python examples/debugging.py [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_scaler
+
+FEATURES = ("age", "rooms", "distance", "floor", "area", "rating", "noise", "price")
+F32 = jmp_scaler.get_policy("f32")
+FP16 = jmp_scaler.get_policy("p=f32,c=f16,o=f32")
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(64)(x))
+    x = nn.relu(nn.Dense(64)(x))
+    return nn.Dense(2)(x)
+
+
+def make_data(n: int, seed: int):
+  """Seven standardised features and a raw ``price`` (median 30000, long tail)."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, len(FEATURES))).astype(np.float32)
+  logit = x[:, :7] @ np.linspace(-1.0, 1.0, 7) + 1.5 * x[:, 7]
+  x[:, 7] = np.exp(10.3 + 0.6 * x[:, 7])  # the bug: price in raw units
+  return jnp.asarray(x), jnp.asarray(logit > 0, jnp.int32)
+
+
+def loss_fn(params, x, y, policy):
+  logits = policy.cast_to_output(MLP().apply(policy.cast_to_compute(params),
+                                             policy.cast_to_compute(x)))
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+def train(scaler, policy, params, data, args, label):
+  """Trains; returns the state and the mean loss of the last 10% of steps."""
+  x, y = data
+  tx = optax.chain(scaler, optax.adam(args.lr))
+  state = jmp_scaler.TrainState.create(apply_fn=MLP().apply, params=params, tx=tx)
+  monitor = jmp_scaler.ScaleMonitor.for_state(state.opt_state, window=args.window)
+
+  @jax.jit
+  def step(state, idx):
+    scale = jmp_scaler.get_scale(state.opt_state)
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x[idx], y[idx], policy) * scale)(
+        state.params)
+    state = state.apply_gradients(grads=grads)
+    return state, {"loss": loss / scale, **state.scale_metrics()}
+
+  rng = np.random.default_rng(args.seed)
+  idx = rng.integers(0, len(y), size=(args.steps, args.batch)).astype(np.int32)
+  metrics = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", jmp_scaler.ScaleWarning)
+    for i in range(args.steps):
+      state, m = step(state, idx[i])
+      metrics.append(m)
+      if (i + 1) % args.window == 0 or i + 1 == args.steps:
+        monitor.update(jax.tree.map(lambda *v: jnp.stack(v), *metrics[-args.window:]))
+  for w in caught:
+    print(f"  ScaleWarning: {w.message}")
+  losses = np.asarray([float(m["loss"]) for m in jax.device_get(metrics)])
+  final = float(np.mean(losses[-max(1, len(losses) // 10):]))
+  print(f"  {label}: loss {final:.4f}; {monitor.format_summary()}")
+  return state, final
+
+
+def main(argv=None) -> dict[str, float]:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--steps", type=int, default=300, help="train steps per run")
+  p.add_argument("--window", type=int, default=50, help="ScaleMonitor window")
+  p.add_argument("--batch", type=int, default=128)
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  if args.steps < 1:
+    p.error(f"--steps must be >= 1, got {args.steps}")
+
+  raw = make_data(8192, args.seed)
+  params = jax.jit(MLP().init)(jax.random.key(args.seed), raw[0][:1])
+  out = {}
+
+  print("== 0. float32 baseline (run it first) ==")
+  _, out["f32 raw"] = train(jmp_scaler.no_scale(), F32, params, raw, args, "float32")
+  print("  finite, if poor: the raw feature dominates, but float32 can represent it.")
+
+  print("\n== 1. symptom: float16 + dynamic_scale ==")
+  _, out["fp16 raw"] = train(jmp_scaler.dynamic_scale(), FP16, params, raw, args, "float16")
+
+  print("\n== 2. control: a fixed scale of 1 ==")
+  train(jmp_scaler.fixed_scale(1.0), FP16, params, raw, args, "float16, scale 1")
+  print("  still every step skipped: no loss scale can fix this, something overflows by itself.")
+
+  x, y = raw[0][: args.batch], raw[1][: args.batch]
+  print("\n== 3. which gradients? jmp_scaler.nonfinite_report(grads) ==")
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=3)(params, x, y, FP16)
+  print(jmp_scaler.nonfinite_report(grads))
+  print(f"  the loss of this batch is {float(loss)}: the forward pass is already broken.")
+
+  print("\n== 4. which layer? nonfinite_report of the inputs and of every layer's output ==")
+  x16 = FP16.cast_to_compute(x)
+  _, inter = jax.jit(lambda p, x: MLP().apply(FP16.cast_to_compute(p), x,
+                                              capture_intermediates=True))(params, x16)
+  forward = {"inputs": dict(zip(FEATURES, x16.T, strict=True)), **inter}  # in forward order
+  print(jmp_scaler.nonfinite_report(forward))
+  print("  what float16 makes of each float32 feature (underflow_report at scale 1):")
+  print(jmp_scaler.underflow_report(dict(zip(FEATURES, x.T, strict=True)), scale=1.0))
+  print("  the culprit is the input itself: price exceeds 65504 and becomes inf.")
+
+  print("\n== 5. fix: standardise the features in float32, before the cast ==")
+  mean, std = raw[0].mean(0), raw[0].std(0)
+  fixed = ((raw[0] - mean) / std, raw[1])
+  _, out["f32 fixed"] = train(jmp_scaler.no_scale(), F32, params, fixed, args, "float32")
+  state, out["fp16 fixed"] = train(jmp_scaler.dynamic_scale(), FP16, params, fixed, args,
+                                   "float16")
+  print("  float16 now follows the float32 baseline.")
+  out["fp16 fixed skips"] = int(state.scale_metrics()["total_skips"])
+  return out
+
+
+if __name__ == "__main__":
+  main()
