@@ -1,6 +1,7 @@
 """Gradient accumulation under a loss scaler: exact against a large batch built by hand."""
 
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,7 @@ def _record():
   )
 
 
+@functools.cache
 def _tx(mode="drop_micro_batch", scaler=None, k=K):
   """Accumulation around scaler -> probe -> Adam; ``inner_state[1]`` is the mean handed on."""
   scaler = jmp_scaler.dynamic_scale(SCALE) if scaler is None else scaler
@@ -62,9 +64,14 @@ def _tx(mode="drop_micro_batch", scaler=None, k=K):
   )
 
 
+@functools.cache
+def _jitted(tx):
+  return jax.jit(tx.update)
+
+
 def _run(tx, params, state, batches, bad=(), jit=True):
   """Feeds one micro-batch per call; returns params, state and the scale seen by each call."""
-  update = jax.jit(tx.update) if jit else tx.update
+  update = _jitted(tx) if jit else tx.update
   scales = []
   for i, batch in enumerate(batches):
     scale = jmp_scaler.get_scale(state)
@@ -123,7 +130,8 @@ def test_exact_against_a_large_batch_step_built_by_hand():
     _assert_equal(state.inner_state[1], mean)
     # ... which is the large-batch gradient (the mean of equal-sized micro-batch means).
     big = (jnp.concatenate([b[0] for b in window]), jnp.concatenate([b[1] for b in window]))
-    chex.assert_trees_all_close(mean, jax.grad(_loss)(start, big), rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(mean, jax.jit(jax.grad(_loss))(start, big), rtol=1e-5,
+                                atol=1e-7)
     ref, adam_state = _hand_step(ref, adam_state, _hand_mean(ref, window, SCALE, [True] * K))
   _assert_close(params, ref)
   _assert_close(state.inner_state[2], adam_state)
@@ -261,6 +269,21 @@ def test_under_train_state_a_bad_micro_batch_waits_and_sums_stay_exact():
   assert int(state.opt_state.inner_state[2][0].count) == 1
 
 
+def test_under_flax_train_state_it_behaves_as_in_an_optax_loop():
+  from flax.training import train_state
+
+  params = _params()
+  batches = _batches(K)
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=_tx())
+  step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  for i, batch in enumerate(batches):
+    state = step(state, _scaled_grads(state.params, batch, SCALE, bad=i == 2))
+  mean = _hand_mean(params, batches, SCALE, [True, True, False, True])
+  _assert_equal(state.opt_state.inner_state[1], mean)
+  assert float(jmp_scaler.get_scale(state.opt_state)) == SCALE / 2
+  assert int(state.opt_state.dropped) == 1
+
+
 def test_multisteps_under_train_state_mixes_two_scales():
   """The documented reason to replace optax.MultiSteps: it sums *scaled* gradients."""
   params = _params()
@@ -334,13 +357,25 @@ def test_bad_arguments_raise_value_error(kwargs, match):
     jmp_scaler.accumulate_gradients(optax.sgd(0.1), **kwargs)
 
 
-def test_example_runs():
-  out = subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "accumulation.py"), "--steps", "3",
-       "--every-k", "3", "--bad-step", "1"],
-      capture_output=True, text=True, timeout=100, cwd=ROOT, check=False,
-  )
-  assert out.returncode == 0, out.stderr
-  lines = dict(line.split(": ") for line in out.stdout.splitlines() if ": " in line)
+EXAMPLE = [sys.executable, str(ROOT / "examples" / "accumulation.py"), "--steps", "2",
+           "--every-k", "2", "--bad-step", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example():
+  """The example starts with the module's first test and runs alongside the others."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+  proc = subprocess.Popen(EXAMPLE, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  yield proc
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+
+
+def test_example_runs(example):
+  out, err = example.communicate(timeout=100)
+  assert example.returncode == 0, err[-3000:]
+  lines = dict(line.split(": ") for line in out.splitlines() if ": " in line)
   assert int(lines["dropped micro-batches"]) >= 1  # the injected NaN micro-batch
   assert int(lines["skipped updates"]) == 0  # ... dropped alone, the update applied

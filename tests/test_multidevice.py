@@ -6,6 +6,7 @@ The checks that need no second device run here, on a one-device mesh.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +28,38 @@ EXPECTED_SCALES = [SCALE, SCALE, SCALE / 2, SCALE / 2]  # step 2 overflows on on
 N = 8
 
 
+TIMEOUT = 300
+FAST_COMPILE = "--xla_backend_optimization_level=0"  # tiny programs: compile time dominates
+COMMANDS = {
+    "worker": [sys.executable, str(TESTS / "md_worker.py")],
+    "example": [sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--devices", "4",
+                "--steps", "3", "--bad-step", "1", "--fsdp"],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+  """Both subprocesses start together (two cores); killed at the end if still running."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+  procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+           for name, cmd in COMMANDS.items()}
+  yield procs
+  for p in procs.values():
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+
+
+def _finished(procs, name):
+  out, err = procs[name].communicate(timeout=TIMEOUT)
+  assert procs[name].returncode == 0, err[-3000:]
+  return out
+
+
 @pytest.fixture(scope="module")
-def report():
-  out = subprocess.run([sys.executable, str(TESTS / "md_worker.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
+def report(started):
+  return json.loads(_finished(started, "worker").strip().splitlines()[-1])
 
 
 def _scenario(report, name):
@@ -41,76 +68,9 @@ def _scenario(report, name):
   return r
 
 
-@pytest.mark.parametrize("name", ["dp", "fsdp"])
-def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
-  r = _scenario(report, name)
-  assert r["scales"] == r["ref_scales"] == EXPECTED_SCALES
-  assert r["step"] == 3  # three applied updates out of four
-  assert r["skip_exact_every_shard"]  # every shard of the params bit-identical on the skip
-  assert r["scale_replicated"] and r["scale_copies_identical"]
-  assert r["params_copies_identical"]
-  # The same global batch on one device: equal up to float32 reduction order.
-  assert r["rel_diff"] < 1e-6
-
-
-def test_fsdp_keeps_params_and_moments_sharded(report):
-  assert _scenario(report, "fsdp")["mu_spec"] == "P('d',)"
-  assert _scenario(report, "dp")["mu_spec"] == "P()"
-
-
-def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
-  dp, fsdp = _scenario(report, "dp"), _scenario(report, "fsdp")
-  # Data parallel: the gradients are already replicated, the decision is local.
-  assert dp["collectives"] == dp["baseline_collectives"]
-  assert dp["scalar_all_reduces"] == 0
-  # FSDP: exactly one more all-reduce, of per-leaf scalars (the global max-abs).
-  extra = dict(fsdp["collectives"])
-  extra["all-reduce"] -= 1
-  assert extra == fsdp["baseline_collectives"]
-  assert fsdp["scalar_all_reduces"] == 1 and fsdp["baseline_scalar_all_reduces"] == 0
-
-
-def test_shard_map_with_axis_name_every_device_skips(report):
-  r = _scenario(report, "shard_map")
-  assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
-  assert r["ref_scales"] == EXPECTED_SCALES
-  assert r["step"] == 3 and r["rel_diff"] < 1e-6
-
-
-def test_shard_map_without_axis_name_devices_drift_and_check_axis_name_says_so(report):
-  r = _scenario(report, "shard_map")
-  drift = r["no_axis_unchecked_scales"]
-  assert drift[-1] == [SCALE if d != 3 else SCALE / 2 for d in range(N)]  # silently apart
-  assert r["no_axis_check_error"].startswith("ValueError: the gradients differ between "
-                                             "devices along mesh axes ['d']")
-  assert "axis_name='d'" in r["no_axis_check_error"]
-
-
-def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(report):
-  r = _scenario(report, "accumulate")
-  # Window 0 (micro-batches 0, 1): device 3's micro-batch 1 overflows; every device
-  # drops it, applies micro-batch 0 alone and backs off; window 1 is clean.
-  assert r["per_device_scales"] == [[SCALE] * N] + [[SCALE / 2] * N] * 3
-  assert r["ref_scale"] == SCALE / 2 and r["dropped"] == 1 and r["adam_count"] == 2
-  assert r["rel_diff"] < 1e-6
-
-
-def test_pmap_with_axis_name_every_device_skips(report):
-  r = _scenario(report, "pmap")
-  assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
-  assert r["devices_bitwise_equal"] and r["rel_diff"] < 1e-6
-  assert all(all(row) for row in r["in_sync"])
-
-
-def test_pmap_without_axis_name_drifts_and_scale_in_sync_reports_it(report):
-  r = _scenario(report, "pmap_no_axis")
-  assert r["per_device_scales"][-1] == [SCALE if d != 3 else SCALE / 2 for d in range(N)]
-  assert not r["devices_bitwise_equal"]
-  assert r["in_sync"] == [[True] * N, [True] * N, [False] * N, [False] * N]
-
-
 # --------------------------------------------------------------------------
-# In process, on a one-device mesh: shard_map tracks varying axes all the same.
+# In process, on a one-device mesh (shard_map tracks varying axes all the same);
+# first, so that they run while the subprocesses work.
 
 
 def _one_device_shard_map(fn, grads, opt_state, grad_spec):
@@ -159,15 +119,77 @@ def test_scale_in_sync_in_process():
   assert np.asarray(no_scaler({"x": jnp.zeros((1,))})).tolist() == [True]
 
 
-def test_example_runs():
-  out = subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--devices", "4",
-       "--steps", "3", "--bad-step", "1", "--fsdp"],
-      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  lines = out.stdout.splitlines()
+# --------------------------------------------------------------------------
+# What the 8-device subprocess reports.
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp"])
+def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
+  r = _scenario(report, name)
+  assert r["scales"] == r["ref_scales"] == EXPECTED_SCALES
+  assert r["step"] == 3  # three applied updates out of four
+  assert r["skip_exact_every_shard"]  # every shard of the params bit-identical on the skip
+  assert r["scale_replicated"] and r["scale_copies_identical"]
+  assert r["params_copies_identical"]
+  # The same global batch on one device: equal up to float32 reduction order.
+  assert r["rel_diff"] < 1e-6
+
+
+def test_fsdp_keeps_params_and_moments_sharded(report):
+  assert _scenario(report, "fsdp")["mu_spec"] == "P('d',)"
+  assert _scenario(report, "dp")["mu_spec"] == "P()"
+
+
+def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
+  dp, fsdp = _scenario(report, "dp"), _scenario(report, "fsdp")
+  # Data parallel: the gradients are already replicated, the decision is local.
+  assert dp["collectives"] == dp["baseline_collectives"]
+  assert dp["scalar_all_reduces"] == 0
+  # FSDP: exactly one more all-reduce, of per-leaf scalars (the global max-abs).
+  extra = dict(fsdp["collectives"])
+  extra["all-reduce"] -= 1
+  assert extra == fsdp["baseline_collectives"]
+  assert fsdp["scalar_all_reduces"] == 1 and fsdp["baseline_scalar_all_reduces"] == 0
+
+
+def test_shard_map_with_axis_name_every_device_skips(report):
+  r = _scenario(report, "shard_map")
+  assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
+  assert r["ref_scales"] == EXPECTED_SCALES
+  assert r["step"] == 3 and r["rel_diff"] < 1e-6
+  assert r["in_sync"] == [True] * 4
+
+
+def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report):
+  r = _scenario(report, "shard_map")
+  drift = r["no_axis_unchecked_scales"]
+  assert drift[-1] == [SCALE if d != 3 else SCALE / 2 for d in range(N)]  # silently apart
+  assert r["no_axis_in_sync"] == [True, True, False, False]  # scale_in_sync sees it
+  assert r["no_axis_check_error"].startswith("ValueError: the gradients differ between "
+                                             "devices along mesh axes ['d']")
+  assert "axis_name='d'" in r["no_axis_check_error"]
+
+
+def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(report):
+  r = _scenario(report, "accumulate")
+  # Window 0 (micro-batches 0, 1): device 3's micro-batch 1 overflows; every device
+  # drops it, applies micro-batch 0 alone and backs off; window 1 is clean.
+  assert r["per_device_scales"] == [[SCALE] * N] + [[SCALE / 2] * N] * 3
+  assert r["ref_scale"] == SCALE / 2 and r["dropped"] == 1 and r["adam_count"] == 2
+  assert r["rel_diff"] < 1e-6
+
+
+def test_pmap_with_axis_name_every_device_skips(report):
+  r = _scenario(report, "pmap")
+  assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
+  assert r["devices_bitwise_equal"] and r["rel_diff"] < 1e-6
+  assert all(all(row) for row in r["in_sync"])
+
+
+def test_example_runs(started):
+  out = _finished(started, "example")
+  lines = out.splitlines()
   assert "skipped=True" in lines[1] and "skipped=False" in lines[2]
-  assert "devices: 4  applied updates: 2  total skips: 1" in out.stdout
-  assert "scale replicated: True" in out.stdout
-  assert "Adam mu['w1'] sharding: P('data',)" in out.stdout
+  assert "devices: 4  applied updates: 2  total skips: 1" in out
+  assert "scale replicated: True" in out
+  assert "Adam mu['w1'] sharding: P('data',)" in out
