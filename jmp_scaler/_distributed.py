@@ -33,10 +33,10 @@ def varying_axes(x: Any) -> frozenset:
   As ``shard_map`` tracks them (``check_vma=True``); empty elsewhere.
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
   if manual is not None:
     return frozenset(getattr(manual, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()))  # older jax
+  return frozenset(getattr(aval, "vma", ()))  # earlier jax
 
 
 def match_varying(x: jax.Array, like: Any) -> jax.Array:
