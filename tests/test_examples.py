@@ -1,4 +1,5 @@
-"""Every example runs as a subprocess at a tiny size, and shows what it claims.
+"""Every example (and the docs' code) runs as a subprocess at a tiny size, and
+shows what it claims.
 
 The runs start together on first use, two at a time (the CI machine has two
 cores), so the module costs about half the sum of the runs.
@@ -19,18 +20,29 @@ NO_MATPLOTLIB = (  # runs an example with `import matplotlib` failing, as if not
     "import runpy, sys; sys.modules['matplotlib'] = None; path = sys.argv[1]; "
     "sys.argv = sys.argv[1:]; runpy.run_path(path, run_name='__main__')"
 )
+DOCS = (  # runs the complete blocks of each doc; "before" blocks start with a comment
+    "import re, sys\n"
+    "for doc in sys.argv[1:]:\n"
+    "  text = open(doc).read()\n"
+    "  blocks = [b for b in re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
+    "            if b.startswith('import ')]\n"
+    "  for block in blocks:\n"
+    "    exec(compile(block, doc, 'exec'), {})\n"
+    "  print(f'ran {len(blocks)} blocks of {doc}')\n"
+)
 
 
 def _commands(out: pathlib.Path) -> dict[str, list[str]]:
   py = sys.executable
-  return {
+  return {  # longest first: two run at a time
       "digits": [py, "examples/digits.py", "--steps", "120", "--hidden", "32",
                  "--log-every", "20", "--growth-interval", "20", "--out", str(out / "plots")],
+      "debugging": [py, "examples/debugging.py", "--steps", "60", "--window", "20"],
       "digits_no_mpl": [py, "-c", NO_MATPLOTLIB, "examples/digits.py", "--steps", "3",
                         "--hidden", "8", "--out", str(out / "no_plots")],
-      "clipping": [py, "examples/clipping.py", "--steps", "40"],
-      "debugging": [py, "examples/debugging.py", "--steps", "60", "--window", "20"],
+      "docs": [py, "-c", DOCS, "docs/migration.md", "docs/diagnostics.md"],
       "underflow": [py, "examples/underflow.py", "--steps", "40"],
+      "clipping": [py, "examples/clipping.py", "--steps", "40"],
   }
 
 
@@ -119,3 +131,10 @@ def test_underflow_unscaled_fp16_gradients_vanish_and_scaling_restores_them(out_
   assert scaled[1] == pytest.approx(f32[1], rel=0.02)  # scaled fp16 follows float32
   assert scaled[1] < unscaled[1]
   assert "perturbations/recon" in text and "bfloat16" in text
+
+
+
+def test_complete_code_blocks_of_the_docs_run(out_dir):
+  text = output("docs", out_dir)
+  assert "ran 4 blocks of docs/migration.md" in text
+  assert "ran 3 blocks of docs/diagnostics.md" in text
