@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_scaler._distributed import match_varying
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
 from jmp_scaler._scaler import (
   FINITE_KEY,
@@ -30,7 +29,7 @@ from jmp_scaler._scaler import (
   next_state,
   no_scale,
 )
-from jmp_scaler._skip import uses_cond
+from jmp_scaler._skip import guarded
 
 _MODES = ("drop_micro_batch", "skip_window")
 
@@ -188,7 +187,8 @@ def accumulate_gradients(
     overflowed = finite_steps < mini_step
     run = at_end & ((finite_steps > 0) if drop else ~overflowed)
 
-    def apply():
+    def apply(decision):
+      del decision  # the window's decision is `run`, taken above
       n = finite_steps
       mean = jax.tree.map(
           lambda s, g: (s / n.astype(s.dtype)).astype(g.dtype) if _floating(g) else g,
@@ -206,9 +206,7 @@ def accumulate_gradients(
         inner_state = replace_scale_state(inner_state, _window_scaler(scaler, overflowed))
       return out, inner_state
 
-    shapes = jax.eval_shape(apply)
-
-    def wait():
+    def wait(shapes):
       zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes[0])
       inner_state = state.inner_state
       if scaler is not None:
@@ -216,14 +214,9 @@ def accumulate_gradients(
             lambda a, b: jnp.where(at_end, a, b), next_state(scaler, False), scaler
         )
         inner_state = replace_scale_state(inner_state, skipped)
-      # Match dtypes (a leaf may change dtype on its first update) and, under
-      # shard_map, the mesh axes along which apply's outputs vary.
-      return jax.tree.map(match_varying, (zeros, inner_state), shapes)
+      return zeros, inner_state
 
-    if scaler is None or uses_cond(scaler):
-      out, inner_state = jax.lax.cond(run, apply, wait)
-    else:  # skip_mode="select" (GPU): no predicate for the host to read
-      out, inner_state = jax.tree.map(lambda a, b: jnp.where(run, a, b), apply(), wait())
+    out, inner_state = guarded(scaler, run, apply, wait)
     dropped = jnp.where(finite, state.dropped, optax.safe_increment(state.dropped))
     new_state = AccumulationState(
         mini_step=jnp.where(at_end, 0, mini_step).astype(jnp.int32),

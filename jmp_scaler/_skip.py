@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_scaler._distributed import match_varying
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
 from jmp_scaler._scaler import FINITE_KEY, LossScaleState, all_finite, next_state
 
@@ -47,7 +48,7 @@ def uses_cond(scaler: LossScaleState) -> bool:
 
 
 def guarded(
-    scaler: LossScaleState,
+    scaler: LossScaleState | None,
     finite: jax.Array,
     apply: Callable[[Any], Any],
     skip: Callable[[Any], Any],
@@ -56,20 +57,19 @@ def guarded(
 
   ``apply(decision)`` runs the chain, handing ``decision`` to the scaler so
   that it does not read the gradients again; ``skip`` receives the shapes of
-  ``apply``'s outputs, and its outputs are cast to their dtypes (an inner
-  transformation may change a state leaf's dtype on its first update, as
-  Adam's moments of an integer leaf do). In ``"cond"`` mode a ``lax.cond``
-  runs one of the two; in ``"select"`` mode both run and ``jnp.where`` keeps
-  one, leaf by leaf: bit-identical results either way.
+  ``apply``'s outputs, and its outputs are made to match them: the dtypes (an
+  inner transformation may change a state leaf's dtype on its first update,
+  as Adam's moments of an integer leaf do) and, inside ``shard_map``, the
+  mesh axes along which they vary. In ``"cond"`` mode (also without a
+  scaler) a ``lax.cond`` runs one of the two; in ``"select"`` mode both run
+  and ``jnp.where`` keeps one, leaf by leaf: bit-identical results either way.
   """
   shapes = jax.eval_shape(apply, True)
 
   def skip_typed():
-    return jax.tree.map(
-        lambda x, s: x if x.dtype == s.dtype else x.astype(s.dtype), skip(shapes), shapes
-    )
+    return jax.tree.map(match_varying, skip(shapes), shapes)
 
-  if uses_cond(scaler):
+  if scaler is None or uses_cond(scaler):
     return jax.lax.cond(finite, lambda: apply(True), skip_typed)
   return jax.tree.map(lambda a, b: jnp.where(finite, a, b), apply(finite), skip_typed())
 

@@ -209,3 +209,23 @@ def test_train_state_without_a_scaler_behaves_like_flax():
   state = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
   assert int(state.step) == 1 and float(state.params["w"][1]) == 0.0
   assert float(state.loss_scale) == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skip_nonfinite_inside_shard_map_with_per_device_gradients(mode):
+  # The skip's -0.0 updates must vary over the mesh axis like the applied ones.
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("d",))
+  tx = jmp_scaler.skip_nonfinite(optax.chain(
+      jmp_scaler.dynamic_scale(axis_name="d", skip_mode=mode), optax.sgd(1.0)))
+  state = tx.init(jnp.zeros(4))
+  specs = jax.tree.map(lambda _: P(), state)
+  step = jax.shard_map(lambda g, s: tx.update(g, s), mesh=mesh, in_specs=(P("d"), specs),
+                       out_specs=(P("d"), specs))
+  shard = functools.partial(jax.device_put, device=NamedSharding(mesh, P("d")))
+  updates, state = step(shard(jnp.full(4, 2.0**16)), state)
+  np.testing.assert_array_equal(updates, -np.ones(4))
+  updates, state = step(shard(jnp.array([1.0, jnp.nan, 1.0, 1.0])), state)
+  assert bool(state[0].skipped) and np.all(np.signbit(updates)) and not np.any(updates)
