@@ -7,6 +7,7 @@ import math
 import numbers
 import warnings
 from array import array
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ class ScaleWarning(UserWarning):
   """Issued by :class:`ScaleMonitor` when the loss scale misbehaves."""
 
 
-def to_scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float | int]:
+def to_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float | int]:
   """Host-side Python numbers from a metrics dict, for any metric writer.
 
   One device-to-host transfer for the whole dict. Scalars become ``int``
@@ -48,7 +49,7 @@ def to_scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float | i
     name = f"{prefix}{key}"
     if hasattr(value, "to_dict"):
       out.update(value.to_dict(name))
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
       out.update(to_scalars(value, f"{name}/"))
     else:
       v = np.asarray(value)
@@ -117,6 +118,8 @@ class ScaleMonitor:
     if not (isinstance(min_scale, numbers.Real) and isinstance(max_scale, numbers.Real)
             and 0 < min_scale <= max_scale):
       raise ValueError(f"need 0 < min_scale <= max_scale, got {min_scale!r}, {max_scale!r}")
+    if not (isinstance(growth_factor, numbers.Real) and 1 <= growth_factor < math.inf):
+      raise ValueError(f"growth_factor must be finite and >= 1, got {growth_factor!r}")
     self.window, self.collapse_factor = int(window), float(collapse_factor)
     self.max_skip_rate = float(max_skip_rate)
     self.min_scale, self.max_scale = float(min_scale), float(max_scale)

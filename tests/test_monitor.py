@@ -2,6 +2,7 @@
 
 import warnings
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,7 +179,7 @@ def test_real_scaler_metrics_and_bounds_from_the_state():
 def test_to_scalars_gives_python_numbers_for_writers():
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))
   metrics = {**jmp_scaler.scale_metrics(tx.init({"w": jnp.zeros(2)})), "loss": jnp.float32(0.5),
-             "extra": {"lr": np.float64(0.1), "n": 3}}
+             "extra": flax.core.FrozenDict({"lr": np.float64(0.1), "n": 3})}
   scalars = jmp_scaler.to_scalars(metrics, prefix="train/")
   assert scalars == {"train/scale": 65536.0, "train/skipped": 0, "train/consecutive_skips": 0,
                      "train/total_skips": 0, "train/steps": 0, "train/growth_tracker": 0,
@@ -195,6 +196,7 @@ def test_to_scalars_gives_python_numbers_for_writers():
     ({"collapse_factor": 1.0}, "collapse_factor must be finite and > 1, got 1.0"),
     ({"max_skip_rate": 1.0}, r"max_skip_rate must lie in \[0, 1\), got 1.0"),
     ({"min_scale": 4.0, "max_scale": 2.0}, "need 0 < min_scale <= max_scale"),
+    ({"growth_factor": 0.5}, "growth_factor must be finite and >= 1, got 0.5"),
 ])
 def test_monitor_validates_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
