@@ -18,12 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jmp_scaler._policy import _canonical
+from jmp_scaler._scaler import _floating
+
 
 def _floating_leaves(tree: Any) -> tuple[tuple[str, ...], tuple[int, ...], list[jax.Array]]:
   """Paths, sizes and values of the floating leaves of ``tree``, in tree order."""
   paths, sizes, leaves = [], [], []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
+    if _floating(leaf):
       paths.append(jax.tree_util.keystr(path, simple=True, separator="/") or "<root>")
       sizes.append(int(np.size(leaf)))
       leaves.append(jnp.asarray(leaf))
@@ -166,16 +169,6 @@ def _count_nonfinite(leaves, when):
 _EMIN, _EMAX = -149, 128
 
 
-def _dtype(dtype: Any) -> np.dtype:
-  try:
-    d = np.dtype(dtype)
-  except TypeError as e:
-    raise ValueError(f"dtype must be a floating dtype, got {dtype!r}") from e
-  if not jnp.issubdtype(d, jnp.floating):
-    raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
-  return d
-
-
 class UnderflowReport(struct.PyTreeNode):
   """What casting ``tree * scale`` to a half dtype would do, per leaf.
 
@@ -221,7 +214,7 @@ class UnderflowReport(struct.PyTreeNode):
   def estimate(self, scale: float, dtype: Any = None) -> dict[str, float]:
     """Estimated zero/subnormal/overflow fractions at another scale or dtype
     (from the histogram: exact up to one binade at each boundary)."""
-    fi = jnp.finfo(_dtype(self.dtype if dtype is None else dtype))
+    fi = jnp.finfo(_canonical("dtype", self.dtype if dtype is None else dtype))
     hist = self._host()["hist"]
     lo = 2.0 ** np.arange(_EMIN - 1, _EMAX, dtype=np.float64) * scale  # each bin's lower edge
     zero = 2 * lo <= float(fi.smallest_subnormal) / 2
@@ -321,7 +314,7 @@ def underflow_report(
     >>> int(jmp_scaler.underflow_report(g, scale=2.0**15).zero[0])
     0
   """
-  d = _dtype(dtype)
+  d = _canonical("dtype", dtype)
   if isinstance(scale, numbers.Real) and not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"scale must be positive and finite, got {scale!r}")
   paths, sizes, leaves = _floating_leaves(tree)
