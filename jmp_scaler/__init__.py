@@ -18,9 +18,7 @@ from jmp_scaler._checkpoint import restore_checkpoint as restore_checkpoint
 from jmp_scaler._checkpoint import save_checkpoint as save_checkpoint
 from jmp_scaler._checkpoint import to_bytes as to_bytes
 from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
-from jmp_scaler._diagnostics import UnderflowReport as UnderflowReport
 from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
-from jmp_scaler._diagnostics import underflow_report as underflow_report
 from jmp_scaler._distributed import check_axis_name as check_axis_name
 from jmp_scaler._distributed import scale_in_sync as scale_in_sync
 from jmp_scaler._lookup import find_scale_state as find_scale_state
@@ -44,6 +42,8 @@ from jmp_scaler._scaler import no_scale as no_scale
 from jmp_scaler._scaler import unscale as unscale
 from jmp_scaler._skip import skip_nonfinite as skip_nonfinite
 from jmp_scaler._train_state import TrainState as TrainState
+from jmp_scaler._underflow import UnderflowReport as UnderflowReport
+from jmp_scaler._underflow import underflow_report as underflow_report
 
 __version__ = "0.1.0"
 
