@@ -23,14 +23,20 @@ Afterwards one overflowing step per variant checks the skip (not timed).
   python benchmarks/bench_cpu.py --model mlp --rounds 21 --steps 20
   python benchmarks/bench_cpu.py --quick          # tiny sizes, a few seconds
   python benchmarks/bench_cpu.py --hlo /tmp/hlo   # also dump each compiled step's HLO
+  python benchmarks/bench_cpu.py --profile /tmp/tr # and where each step's time goes
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
+import glob
+import gzip
+import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -193,16 +199,48 @@ def hlo_stats(text: str) -> dict[str, int]:
   }
 
 
+def kernel_profile(fn, state, batch, steps, logdir):
+  """Runs ``steps`` steps under ``jax.profiler``; returns ({kernel: ms per step}, state).
+
+  Kernels are XLA's thunks (fusions, dots, copies, ...) named without their
+  numeric suffix, so e.g. all of Adam's ``multiply_add_fusion.N`` add up; the
+  times are summed over XLA:CPU's threads, so they can exceed the wall time.
+  """
+  with jax.profiler.trace(logdir):
+    for _ in range(steps):
+      state = fn(state, batch)
+    jax.block_until_ready(state)
+  path = max(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.trace.json.gz")),
+             key=os.path.getmtime)
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  # Host-side events are Python frames ($...), C++ scopes (A::B) or CamelCase.
+  kernels = sorted(
+      (e for e in events if e.get("ph") == "X" and e.get("name", "")[:1].islower()
+       and "::" not in e["name"] and not e["name"].startswith("end:")),
+      key=lambda e: (e.get("pid"), e.get("tid"), e["ts"]))
+  total = collections.Counter()
+  where = lambda e: (e.get("pid"), e.get("tid"))  # noqa: E731
+  for e, nxt in zip(kernels, kernels[1:] + [None], strict=True):
+    if nxt is not None and where(nxt) == where(e) and nxt["ts"] < e["ts"] + e.get("dur", 0):
+      continue  # a container (a conditional's span holds its branch's kernels)
+    total[re.sub(r"\.\d+$", "", e["name"])] += e.get("dur", 0) / 1e3 / steps
+  return total, state
+
+
 def _bits(tree):
   return [np.asarray(x).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
 
 
-def run(name, model, rounds, steps, hlo_dir=None):
-  """Benchmarks every variant on ``model``; prints and returns the rows."""
+def run(name, model, rounds, steps, hlo_dir=None, vs=None, profile_dir=None, donate=True):
+  """Benchmarks ``vs`` (default: every variant) on ``model``; prints, returns rows.
+
+  The first variant is the baseline of the ratios; it must be named ``none``.
+  """
   kp, kb = jax.random.split(jax.random.key(0))
   params = model.init(kp)
   batch = jax.device_put(model.batch_of(kb))
-  vs = variants(model)
+  vs = variants(model) if vs is None else vs
   traces = {v.name: 0 for v in vs}
   jitted, states, info = {}, {}, {}
   for v in vs:
@@ -210,7 +248,7 @@ def run(name, model, rounds, steps, hlo_dir=None):
       traces[_v.name] += 1
       return _v.step(state, b)
 
-    jitted[v.name] = jax.jit(counted, donate_argnums=0)
+    jitted[v.name] = jax.jit(counted, donate_argnums=0 if donate else ())
     state = v.init(jax.tree.map(jnp.copy, params))
     state = jax.block_until_ready(jitted[v.name](state, batch))  # compile + warm up
     compiled = jitted[v.name].lower(state, batch).compile()
@@ -233,6 +271,12 @@ def run(name, model, rounds, steps, hlo_dir=None):
         jax.block_until_ready(state)
       times[v.name].append((time.perf_counter() - t0) / steps)
       states[v.name] = state
+
+  profiles = {}
+  for v in vs if profile_dir else ():
+    logdir = os.path.join(profile_dir, f"{name}_{v.name}")
+    profiles[v.name], states[v.name] = kernel_profile(
+        jitted[v.name], states[v.name], batch, steps, logdir)
 
   bad = _models.poison(batch)
   rows = []
@@ -267,6 +311,11 @@ def run(name, model, rounds, steps, hlo_dir=None):
         **info[v.name],
     })
   _print_table(name, model, rounds, steps, rows)
+  if profiles:
+    print(f"\nkernel time, ms per step (jax.profiler, summed over threads; in {profile_dir})")
+    for v_name, kernels in profiles.items():
+      top = ", ".join(f"{k} {t:.1f}" for k, t in kernels.most_common(6))
+      print(f"{v_name:<16}{sum(kernels.values()):>7.1f}  {top}")
   return rows
 
 
@@ -274,6 +323,7 @@ def _print_table(name, model, rounds, steps, rows):
   base_temp = max(rows[0]["temp"], 1)
   print(f"\n## {name}: {model}")
   print(f"{rounds} rounds x {steps} steps, jax {jax.__version__} {jax.default_backend()}, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
         f"ratio = median over rounds of (variant / none in the same round)")
   head = (f"{'variant':<16}{'median ms':>10}{'spread':>8}{'ratio':>7}{'IQR':>13}"
           f"{'r(med)':>8}{'temp MiB':>10}{'temp/none':>10}{'traces':>7}{'kernels':>8}"
@@ -292,24 +342,30 @@ def _print_table(name, model, rounds, steps, rows):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=15)
-  parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="steps per variant per round (default: 10 mlp, 3 transformer)")
   parser.add_argument("--model", choices=["mlp", "transformer", "all"], default="all")
   parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
   parser.add_argument("--hlo", metavar="DIR", help="write each compiled step's HLO here")
+  parser.add_argument("--no-donate", action="store_true",
+                      help="do not donate the state to the step (every variant alike)")
+  parser.add_argument("--profile", metavar="DIR",
+                      help="trace each variant with jax.profiler and print its top kernels")
   args = parser.parse_args(argv)
   if args.quick:
-    models = {"mlp": _models.MLP(width=64, classes=10, batch=8),
-              "transformer": _models.Transformer(d=32, heads=2, ff=64, seq=16, batch=2)}
-    rounds, steps = min(args.rounds, 3), min(args.steps, 3)
+    models = {"mlp": (_models.MLP(width=64, classes=10, batch=8), 3),
+              "transformer": (_models.Transformer(d=32, heads=2, ff=64, seq=16, batch=2), 3)}
+    rounds = min(args.rounds, 3)
   else:
-    models = {"mlp": _models.MLP(), "transformer": _models.Transformer()}
-    rounds, steps = args.rounds, args.steps
+    models = {"mlp": (_models.MLP(), 10), "transformer": (_models.Transformer(), 3)}
+    rounds = args.rounds
   if jmp is None:
     print("jmp is not installed: its variant is left out (pip install jmp)")
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-  for name, model in models.items():
+  for name, (model, steps) in models.items():
     if args.model in (name, "all"):
-      run(name, model, rounds, steps, args.hlo)
+      run(name, model, rounds, args.steps or steps, args.hlo, profile_dir=args.profile,
+          donate=not args.no_donate)
 
 
 if __name__ == "__main__":

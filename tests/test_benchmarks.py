@@ -72,7 +72,7 @@ def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
 def test_bench_gpu_quick_runs_on_cpu():
   out = _run("bench_gpu.py", "--quick")
   rows = _rows(out)
-  names = ["fp32", "bf16", "fp16", "fp16+trainstate", "fp16+optax", "fp16+select"]
+  names = ["fp32", "bf16", "fp16", "fp16+cond", "fp16+select", "fp16+optax"]
   assert list(rows) == names
   for name in names:
     assert float(rows[name][1]) > 0, rows[name]
