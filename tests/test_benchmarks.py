@@ -36,8 +36,8 @@ def _rows(table):
 
 
 @pytest.fixture(scope="module")
-def cpu_tables():
-  out = _run("bench_cpu.py", "--quick")
+def cpu_tables(tmp_path_factory):
+  out = _run("bench_cpu.py", "--quick", "--profile", str(tmp_path_factory.mktemp("trace")))
   tables = re.split(r"\n## ", out)[1:]
   return {t.split(":")[0]: t for t in tables}
 
@@ -54,6 +54,16 @@ def test_bench_cpu_quick_prints_every_variant_for_both_models(cpu_tables):
       ms, ratio = float(rows[name][1]), float(rows[name][3])
       assert ms > 0 and ratio > 0
     assert float(rows["none"][3]) == 1.0
+
+
+def test_bench_cpu_quick_profile_lists_kernels_of_every_variant(cpu_tables):
+  for table in cpu_tables.values():
+    section = table.split("\nkernel time, ms per step")[1].strip().splitlines()[1:]
+    profiled = {ln.split()[0]: ln for ln in section if ln.strip()}
+    assert list(profiled) == list(_rows(table))
+    for line in profiled.values():
+      total, first_kernel = line.split()[1], line.split()[2]
+      assert float(total) >= 0 and first_kernel[0].isalpha(), line
 
 
 def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
