@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import warnings
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -140,6 +142,18 @@ def _axis_name(value: Any) -> Hashable | None:
 # The factories.
 
 
+def _warn_on_fast_math() -> None:
+  """Fast-math lets XLA assume no inf/NaN exist, which voids every finiteness check."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "fast_math=true" in flags.replace(" ", "").lower():
+    warnings.warn(
+        f"XLA_FLAGS={flags!r} enables fast math: XLA may then assume that no inf or NaN "
+        "exists and fold the loss scaler's finiteness check away, so overflowing steps "
+        "would not be skipped. Remove the fast-math flag when training in float16.",
+        stacklevel=3,
+    )
+
+
 def _transformation(
     *,
     init_scale: float,
@@ -153,6 +167,7 @@ def _transformation(
     skip_mode: str,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation from validated values."""
+  _warn_on_fast_math()
 
   def init_fn(params):
     del params
@@ -384,16 +399,22 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   """Whether every floating leaf of ``grads / state.scale`` is finite.
 
-  One read of the gradients: the unscaling multiply is fused into the
-  ``isfinite`` reduction, so the unscaled tree is never materialised, and an
+  One read of the gradients: the unscaling multiply is fused into one
+  reduction per leaf, so the unscaled tree is never materialised, and an
   overflow of the unscaling itself (a float16 gradient divided by a scale
   below 1) counts as non-finite. Non-floating leaves and ``None`` are
   ignored. With ``state.config.axis_name`` set, the decision is reduced over
   those mapped axes: every device returns the same value.
+
+  The reduction is ``sum(u - u)``: 0 for finite ``u``, NaN for inf or NaN,
+  and a float sum propagates NaN on every backend. It is the fastest exact
+  form on XLA:CPU (``all(isfinite(u))`` builds a boolean array first; a
+  max-reduction drops NaN there from 4096 elements up). It relies on XLA not
+  folding ``u - u`` to 0, which only fast-math flags would do (tested).
   """
   unscaled = unscale(grads, state.scale)
   flags = [
-      jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(unscaled) if _floating(g) and g.size
+      ~jnp.isnan(jnp.sum(u - u)) for u in jax.tree.leaves(unscaled) if _floating(u) and u.size
   ]
   finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
   axes = state.config.axis_name

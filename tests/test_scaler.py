@@ -242,6 +242,38 @@ def test_any_non_finite_element_in_any_leaf_is_detected(bad, dtype):
   assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(out))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    size=st.sampled_from([1, 7, 4095, 4096, 4097, 65_536, 300_001]),
+    where=st.floats(0.0, 1.0, exclude_max=True),
+    bad=st.sampled_from([np.nan, np.inf, -np.inf]),
+    dtype=st.sampled_from([np.float32, np.float16, jnp.bfloat16]),
+)
+def test_one_bad_element_anywhere_in_a_large_leaf_is_caught(size, where, bad, dtype):
+  # A max-reduction on XLA:CPU drops NaN from 4096 elements up: the check must not.
+  g = np.ones(size, np.float32)
+  g[int(where * size)] = bad
+  state = jmp_scaler.dynamic_scale().init(None)
+  assert not bool(jax.jit(jmp_scaler.all_finite)({"g": jnp.asarray(g, dtype)}, state))
+  assert bool(jax.jit(jmp_scaler.all_finite)({"g": jnp.ones(size, dtype)}, state))
+
+
+def test_the_check_is_not_folded_away_by_the_compiler():
+  state = jmp_scaler.dynamic_scale().init(None)
+  hlo = jax.jit(jmp_scaler.all_finite).lower({"g": jnp.ones(8)}, state).compile().as_text()
+  assert "subtract" in hlo  # u - u survives: no fast-math folding to 0
+
+
+def test_fast_math_flags_are_warned_about(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+  with pytest.warns(UserWarning, match="fast math"):
+    jmp_scaler.dynamic_scale()
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_scaler.dynamic_scale()
+
+
 def test_non_floating_leaves_and_none_pass_through():
   tx = jmp_scaler.dynamic_scale()
   grads = {"f": jnp.ones(2) * 2.0**16, "i": jnp.arange(3), "b": jnp.array([True]), "n": None,
