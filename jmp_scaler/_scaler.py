@@ -396,6 +396,19 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   return jax.tree.map(one, grads)
 
 
+def _count_by_sum() -> bool:
+  """Whether to reduce with ``sum(u - u)`` rather than ``all(isfinite(u))``.
+
+  On XLA:CPU with one device the float add-reduction is the fast path (an
+  ``isfinite`` and-reduction materialises a boolean array first: x1.1-1.3 per
+  step on a 4x1024 MLP, see BENCHMARKS.md). With several devices the
+  gradients may be sharded, and XLA then folds the decision's float
+  all-reduces into the gradients' own, splitting them into several; the
+  boolean reduction stays one scalar all-reduce of its own. Both are exact.
+  """
+  return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   """Whether every floating leaf of ``grads / state.scale`` is finite.
 
@@ -406,16 +419,18 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   ignored. With ``state.config.axis_name`` set, the decision is reduced over
   those mapped axes: every device returns the same value.
 
-  The reduction is ``sum(u - u)``: 0 for finite ``u``, NaN for inf or NaN,
-  and a float sum propagates NaN on every backend. It is the fastest exact
-  form on XLA:CPU (``all(isfinite(u))`` builds a boolean array first; a
-  max-reduction drops NaN there from 4096 elements up). It relies on XLA not
-  folding ``u - u`` to 0, which only fast-math flags would do (tested).
+  The per-leaf reduction is ``all(isfinite(u))``, or, on a single CPU device
+  where it is faster, ``sum(u - u)``: 0 for finite ``u``, NaN for inf or NaN,
+  and a float sum propagates NaN (a max-reduction would not: XLA:CPU's drops
+  NaN from 4096 elements up). Neither survives fast-math flags, which let
+  XLA assume that no inf or NaN exists (:func:`dynamic_scale` warns).
   """
   unscaled = unscale(grads, state.scale)
-  flags = [
-      ~jnp.isnan(jnp.sum(u - u)) for u in jax.tree.leaves(unscaled) if _floating(u) and u.size
-  ]
+  leaves = [u for u in jax.tree.leaves(unscaled) if _floating(u) and u.size]
+  if _count_by_sum():
+    flags = [~jnp.isnan(jnp.sum(u - u)) for u in leaves]
+  else:
+    flags = [jnp.all(jnp.isfinite(u)) for u in leaves]
   finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
   axes = state.config.axis_name
   if axes is not None:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import unittest.mock
 import warnings
 
 import chex
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_scaler
+from jmp_scaler import _scaler as _scaler_module
 from tests._reference import F32, reference_history
 
 _PAD = 96  # every scripted run is padded to this many steps: one compilation.
@@ -254,11 +256,15 @@ def test_one_bad_element_anywhere_in_a_large_leaf_is_caught(size, where, bad, dt
   g = np.ones(size, np.float32)
   g[int(where * size)] = bad
   state = jmp_scaler.dynamic_scale().init(None)
-  assert not bool(jax.jit(jmp_scaler.all_finite)({"g": jnp.asarray(g, dtype)}, state))
-  assert bool(jax.jit(jmp_scaler.all_finite)({"g": jnp.ones(size, dtype)}, state))
+  for by_sum in (True, False):  # both reductions (one device / several devices)
+    with unittest.mock.patch.object(_scaler_module, "_count_by_sum", lambda v=by_sum: v):
+      check = jmp_scaler.all_finite  # eager: a jit cache would keep the first reduction
+      assert not bool(check({"g": jnp.asarray(g, dtype)}, state))
+      assert bool(check({"g": jnp.ones(size, dtype)}, state))
 
 
 def test_the_check_is_not_folded_away_by_the_compiler():
+  assert _scaler_module._count_by_sum()  # the tests run on one CPU device
   state = jmp_scaler.dynamic_scale().init(None)
   hlo = jax.jit(jmp_scaler.all_finite).lower({"g": jnp.ones(8)}, state).compile().as_text()
   assert "subtract" in hlo  # u - u survives: no fast-math folding to 0
