@@ -145,7 +145,7 @@ def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
   # Data parallel: the gradients are already replicated, the decision is local.
   assert dp["collectives"] == dp["baseline_collectives"]
   assert dp["scalar_all_reduces"] == 0
-  # FSDP: exactly one more all-reduce, of per-leaf scalars (the global max-abs).
+  # FSDP: exactly one more all-reduce, of per-leaf scalars (the finiteness flags).
   extra = dict(fsdp["collectives"])
   extra["all-reduce"] -= 1
   assert extra == fsdp["baseline_collectives"]
