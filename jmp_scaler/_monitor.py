@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jmp_scaler._lookup import find_scale_state
-from jmp_scaler._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE
+from jmp_scaler._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE, _int_at_least
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -109,8 +109,7 @@ class ScaleMonitor:
       max_scale: float = DEFAULT_MAX_SCALE,
       growth_factor: float = 2.0,
   ):
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
-      raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    window = _int_at_least("window", window, 1)
     if not (isinstance(collapse_factor, numbers.Real) and 1 < collapse_factor < math.inf):
       raise ValueError(f"collapse_factor must be finite and > 1, got {collapse_factor!r}")
     if not (isinstance(max_skip_rate, numbers.Real) and 0 <= max_skip_rate < 1):

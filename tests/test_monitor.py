@@ -191,7 +191,7 @@ def test_to_scalars_gives_python_numbers_for_writers():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"window": 0}, "window must be an integer >= 1, got 0"),
+    ({"window": 0}, r"window must be an integer in \[1, 2\*\*31 - 1\], got 0"),
     ({"window": 2.5}, "window must be an integer"),
     ({"collapse_factor": 1.0}, "collapse_factor must be finite and > 1, got 1.0"),
     ({"max_skip_rate": 1.0}, r"max_skip_rate must lie in \[0, 1\), got 1.0"),
