@@ -16,19 +16,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from jmp_scaler import _validation as validation
+from jmp_scaler._leaves import is_floating, math_dtype
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
-from jmp_scaler._scaler import (
-  FINITE_KEY,
-  LossScaleState,
-  _floating,
-  _math_dtype,
-  all_finite,
-  next_state,
-  no_scale,
-)
+from jmp_scaler._scaler import FINITE_KEY, LossScaleState, all_finite, next_state, no_scale
 from jmp_scaler._skip import guarded
 
 _MODES = ("drop_micro_batch", "skip_window")
@@ -143,18 +136,13 @@ def accumulate_gradients(
     >>> u.tolist(), float(jmp_scaler.get_scale(state))
     ([-1.0, -2.0], 2.0)
   """
-  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
-    raise ValueError(f"every_k must be an integer >= 1, got {every_k!r}")
-  if not 1 <= int(every_k) <= np.iinfo(np.int32).max:
-    raise ValueError(f"every_k must be an integer >= 1, got {every_k!r}")
-  if on_nonfinite not in _MODES:
-    raise ValueError(f"on_nonfinite must be one of {_MODES}, got {on_nonfinite!r}")
-  k = int(every_k)
+  k = validation.integer("every_k", every_k, 1)
+  validation.one_of("on_nonfinite", on_nonfinite, _MODES)
   drop = on_nonfinite == "drop_micro_batch"
   inner = optax.with_extra_args_support(inner)
 
   def acc_zeros(p):
-    dtype = _math_dtype(p.dtype) if _floating(p) else p.dtype
+    dtype = math_dtype(p.dtype) if is_floating(p) else p.dtype
     return jnp.zeros(jnp.shape(p), dtype)
 
   def init_fn(params):
@@ -176,7 +164,7 @@ def accumulate_gradients(
     inv = 1.0 / ref.scale
 
     def add(s, g):
-      if not _floating(g):
+      if not is_floating(g):
         return s
       return jnp.where(finite, s + g.astype(s.dtype) * inv.astype(s.dtype), s)
 
@@ -191,7 +179,7 @@ def accumulate_gradients(
       del decision  # the window's decision is `run`, taken above
       n = finite_steps
       mean = jax.tree.map(
-          lambda s, g: (s / n.astype(s.dtype)).astype(g.dtype) if _floating(g) else g,
+          lambda s, g: (s / n.astype(s.dtype)).astype(g.dtype) if is_floating(g) else g,
           grad_sum,
           updates,
       )

@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jmp_scaler._scaler import _floating
+from jmp_scaler._leaves import is_floating
 
 
 def _floating_leaves(tree: Any) -> tuple[tuple[str, ...], tuple[int, ...], list[jax.Array]]:
   """Paths, sizes and values of the floating leaves of ``tree``, in tree order."""
   paths, sizes, leaves = [], [], []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if _floating(leaf):
+    if is_floating(leaf):
       paths.append(jax.tree_util.keystr(path, simple=True, separator="/") or "<root>")
       sizes.append(int(np.size(leaf)))
       leaves.append(jnp.asarray(leaf))

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jmp_scaler._leaves import is_floating
 from jmp_scaler._lookup import find_scale_state
-from jmp_scaler._scaler import _floating
 
 
 def _names(axis_name: Hashable | None) -> frozenset:
@@ -81,7 +81,7 @@ def check_axis_name(grads: Any, opt_state: Any) -> None:
     return
   varying = frozenset()
   for g in jax.tree.leaves(grads):
-    if _floating(g):
+    if is_floating(g):
       varying |= varying_axes(g)
   declared = scaler.config.axis_name
   missing = varying - _names(declared)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import math
-import numbers
 import warnings
 from array import array
 from collections.abc import Mapping
@@ -13,8 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jmp_scaler import _validation as validation
 from jmp_scaler._lookup import find_scale_state
-from jmp_scaler._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE, _int_at_least
+from jmp_scaler._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -109,20 +109,24 @@ class ScaleMonitor:
       max_scale: float = DEFAULT_MAX_SCALE,
       growth_factor: float = 2.0,
   ):
-    window = _int_at_least("window", window, 1)
-    if not (isinstance(collapse_factor, numbers.Real) and 1 < collapse_factor < math.inf):
+    window = validation.integer("window", window, 1)
+    collapse_factor = validation.real("collapse_factor", collapse_factor)
+    if not 1 < collapse_factor < math.inf:
       raise ValueError(f"collapse_factor must be finite and > 1, got {collapse_factor!r}")
-    if not (isinstance(max_skip_rate, numbers.Real) and 0 <= max_skip_rate < 1):
+    max_skip_rate = validation.real("max_skip_rate", max_skip_rate)
+    if not 0 <= max_skip_rate < 1:
       raise ValueError(f"max_skip_rate must lie in [0, 1), got {max_skip_rate!r}")
-    if not (isinstance(min_scale, numbers.Real) and isinstance(max_scale, numbers.Real)
-            and 0 < min_scale <= max_scale):
+    min_scale = validation.positive_f32("min_scale", min_scale)
+    max_scale = validation.positive_f32("max_scale", max_scale)
+    if min_scale > max_scale:
       raise ValueError(f"need 0 < min_scale <= max_scale, got {min_scale!r}, {max_scale!r}")
-    if not (isinstance(growth_factor, numbers.Real) and 1 <= growth_factor < math.inf):
+    growth_factor = validation.real("growth_factor", growth_factor)
+    if not 1 <= growth_factor < math.inf:
       raise ValueError(f"growth_factor must be finite and >= 1, got {growth_factor!r}")
-    self.window, self.collapse_factor = int(window), float(collapse_factor)
-    self.max_skip_rate = float(max_skip_rate)
-    self.min_scale, self.max_scale = float(min_scale), float(max_scale)
-    self.growth_factor = float(growth_factor)
+    self.window, self.collapse_factor = window, collapse_factor
+    self.max_skip_rate = max_skip_rate
+    self.min_scale, self.max_scale = min_scale, max_scale
+    self.growth_factor = growth_factor
     self.warnings_seen: list[tuple[str, int, str]] = []  # (kind, step, message)
     self.calibration_skips = 0
     self._calibrating = True

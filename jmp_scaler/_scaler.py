@@ -8,10 +8,6 @@ so switching modes changes neither checkpoints nor compiled shapes.
 
 from __future__ import annotations
 
-import math
-import numbers
-import os
-import warnings
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -21,7 +17,10 @@ import numpy as np
 import optax
 from flax import struct
 
-_F32 = np.finfo(np.float32)
+from jmp_scaler import _validation as validation
+from jmp_scaler._leaves import is_floating, math_dtype
+
+_F32 = validation.F32
 #: Default lower bound of the scale: the smallest normal float32, so ``1/scale``
 #: stays finite. The scale may go below 1 (TF's floor of 1 stalled keras#16100).
 DEFAULT_MIN_SCALE = float(_F32.tiny)
@@ -85,73 +84,11 @@ class LossScaleState(NamedTuple):
   config: ScaleConfig
 
 
-# --------------------------------------------------------------------------
-# Validation (host side, at construction).
-
-
-def _real(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"{name} must be a real number, got {value!r}")
-  return float(value)
-
-
-def _positive_f32(name: str, value: Any) -> float:
-  """A positive, finite, normal float32 (so that its reciprocal is finite)."""
-  x = _real(name, value)
-  if not math.isfinite(x) or x <= 0:
-    raise ValueError(f"{name} must be positive and finite, got {value!r}")
-  if x > float(_F32.max) or np.float32(x) < _F32.tiny:
-    raise ValueError(
-        f"{name} must lie in float32's normal range "
-        f"[{_F32.tiny:.3e}, {_F32.max:.3e}], got {value!r}"
-    )
-  return float(np.float32(x))
-
-
-def _int_at_least(name: str, value: Any, low: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f"{name} must be an integer, got {value!r}")
-  if not low <= int(value) <= np.iinfo(np.int32).max:
-    raise ValueError(
-        f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}"
-    )
-  return int(value)
-
-
 SKIP_MODES = ("auto", "cond", "select")
-
-
-def _skip_mode(value: Any) -> str:
-  if value not in SKIP_MODES:
-    raise ValueError(f"skip_mode must be one of {SKIP_MODES}, got {value!r}")
-  return value
-
-
-def _axis_name(value: Any) -> Hashable | None:
-  if value is None or isinstance(value, str):
-    return value
-  if isinstance(value, tuple) and value and all(isinstance(a, str) for a in value):
-    return value
-  raise ValueError(
-      f"axis_name must be None, a string or a non-empty tuple of strings, "
-      f"got {value!r}"
-  )
 
 
 # --------------------------------------------------------------------------
 # The factories.
-
-
-def _warn_on_fast_math() -> None:
-  """Fast-math lets XLA assume no inf/NaN exist, which voids every finiteness check."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "fast_math=true" in flags.replace(" ", "").lower():
-    warnings.warn(
-        f"XLA_FLAGS={flags!r} enables fast math: XLA may then assume that no inf or NaN "
-        "exists and fold the loss scaler's finiteness check away, so overflowing steps "
-        "would not be skipped. Remove the fast-math flag when training in float16.",
-        stacklevel=3,
-    )
 
 
 def _transformation(
@@ -167,7 +104,7 @@ def _transformation(
     skip_mode: str,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation from validated values."""
-  _warn_on_fast_math()
+  validation.warn_on_fast_math(stacklevel=4)
 
   def init_fn(params):
     del params
@@ -202,7 +139,7 @@ def _transformation(
       # Without an exact-skip wrapper the rest of the chain runs anyway: give it
       # zeros rather than inf/NaN, so no non-finite value reaches its state.
       unscaled = jax.tree.map(
-          lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _floating(u) else u,
+          lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if is_floating(u) else u,
           unscaled,
       )
     return unscaled, next_state(state, finite)
@@ -294,16 +231,12 @@ def dynamic_scale(
     Micikevicius et al., 2018, Mixed Precision Training
     (https://arxiv.org/abs/1710.03740).
   """
-  init = _positive_f32("init_scale", init_scale)
-  growth = _real("growth_factor", growth_factor)
-  if not (math.isfinite(growth) and growth > 1):
-    raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
-  backoff = _real("backoff_factor", backoff_factor)
-  if not 0 < backoff < 1:
-    raise ValueError(f"backoff_factor must lie in (0, 1), got {backoff_factor!r}")
-  interval = _int_at_least("growth_interval", growth_interval, 1)
-  lo = _positive_f32("min_scale", min_scale)
-  hi = _positive_f32("max_scale", max_scale)
+  init = validation.positive_f32("init_scale", init_scale)
+  growth = validation.factor("growth_factor", growth_factor, above_one=True)
+  backoff = validation.factor("backoff_factor", backoff_factor, above_one=False)
+  interval = validation.integer("growth_interval", growth_interval, 1)
+  lo = validation.positive_f32("min_scale", min_scale)
+  hi = validation.positive_f32("max_scale", max_scale)
   if lo > hi:
     raise ValueError(
         f"min_scale must not exceed max_scale, got min_scale={min_scale!r} "
@@ -321,9 +254,9 @@ def dynamic_scale(
       growth_interval=interval,
       min_scale=lo,
       max_scale=hi,
-      hysteresis=_int_at_least("hysteresis", hysteresis, 1),
-      axis_name=_axis_name(axis_name),
-      skip_mode=_skip_mode(skip_mode),
+      hysteresis=validation.integer("hysteresis", hysteresis, 1),
+      axis_name=validation.axis_name(axis_name),
+      skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
   )
 
 
@@ -346,7 +279,7 @@ def fixed_scale(
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
   """
-  s = _positive_f32("scale", scale)
+  s = validation.positive_f32("scale", scale)
   return _transformation(
       init_scale=s,
       growth_factor=1.0,
@@ -355,8 +288,8 @@ def fixed_scale(
       min_scale=s,
       max_scale=s,
       hysteresis=1,
-      axis_name=_axis_name(axis_name),
-      skip_mode=_skip_mode(skip_mode),
+      axis_name=validation.axis_name(axis_name),
+      skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
   )
 
 
@@ -375,23 +308,14 @@ def no_scale(
 # The pieces of the update, shared with TrainState and skip_nonfinite.
 
 
-def _floating(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _math_dtype(dtype) -> np.dtype:
-  """Unscaling runs in at least float32 (a half-precision 1/scale underflows)."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def unscale(grads: Any, scale: jax.Array) -> Any:
   """Divides every floating leaf by ``scale`` (in float32), keeping its dtype."""
   inv = 1.0 / scale
 
   def one(g):
-    if not _floating(g):
+    if not is_floating(g):
       return g
-    return (g.astype(_math_dtype(g.dtype)) * inv).astype(g.dtype)
+    return (g.astype(math_dtype(g.dtype)) * inv).astype(g.dtype)
 
   return jax.tree.map(one, grads)
 
@@ -426,7 +350,7 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   XLA assume that no inf or NaN exists (:func:`dynamic_scale` warns).
   """
   unscaled = unscale(grads, state.scale)
-  leaves = [u for u in jax.tree.leaves(unscaled) if _floating(u) and u.size]
+  leaves = [u for u in jax.tree.leaves(unscaled) if is_floating(u) and u.size]
   if _count_by_sum():
     flags = [~jnp.isnan(jnp.sum(u - u)) for u in leaves]
   else:

@@ -346,9 +346,9 @@ def test_multisteps_without_skip_fn_is_poisoned_for_good_skip_window_is_not():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"every_k": 0}, "every_k must be an integer >= 1, got 0"),
-        ({"every_k": 2.0}, "every_k must be an integer >= 1, got 2.0"),
-        ({"every_k": True}, "every_k must be an integer >= 1, got True"),
+        ({"every_k": 0}, "every_k must be an integer.*got 0"),
+        ({"every_k": 2.0}, "every_k must be an integer.*got 2.0"),
+        ({"every_k": True}, "every_k must be an integer.*got True"),
         ({"every_k": 2, "on_nonfinite": "zero"}, "on_nonfinite must be one of .*'zero'"),
     ],
 )
