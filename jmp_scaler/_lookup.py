@@ -1,39 +1,130 @@
-"""Finding the scaler's state inside any ``opt_state``."""
+"""Finding the scaler's state inside any ``opt_state``, in every form Flax hands out."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jmp_scaler._scaler import LossScaleState
+from jmp_scaler._scaler import LossScaleState, ScaleConfig
+
+_FIELDS = frozenset(LossScaleState._fields)
+# The numeric (leaf) fields of ScaleConfig; axis_name and skip_mode are static.
+_CONFIG_LEAVES = frozenset(
+    f for f in ScaleConfig.__dataclass_fields__
+    if ScaleConfig.__dataclass_fields__[f].metadata.get("pytree_node", True)
+)
 
 
 def _is_scale_state(x: Any) -> bool:
   return isinstance(x, LossScaleState)
 
 
+def _is_scale_mapping(x: Any) -> bool:
+  """A mapping with exactly the scaler's fields: what ``nnx.state`` makes of one."""
+  if not isinstance(x, Mapping) or isinstance(x, LossScaleState):
+    return False
+  try:
+    keys = set(x.keys())
+  except TypeError:
+    return False
+  if keys != _FIELDS:
+    return False
+  config = x["config"]
+  return isinstance(config, Mapping) and set(config.keys()) == _CONFIG_LEAVES
+
+
+def _value(x: Any) -> Any:
+  return x.get_value() if isinstance(x, nnx.Variable) else x
+
+
+def _from_mapping(x: Mapping) -> LossScaleState:
+  """A :class:`LossScaleState` rebuilt from a mapping of its fields.
+
+  The static ``axis_name`` and ``skip_mode`` are not in a mapping (``nnx.state``
+  and ``nnx.to_pure_dict`` keep leaves only): they take their defaults.
+  """
+  config = ScaleConfig(**{k: _value(x["config"][k]) for k in _CONFIG_LEAVES})
+  return LossScaleState(**{k: _value(x[k]) for k in _FIELDS - {"config"}}, config=config)
+
+
+def _is_nnx_object(x: Any) -> bool:
+  return isinstance(x, nnx.Pytree)
+
+
+def _searchable(value: Any) -> Any:
+  """``value`` with every NNX object replaced by its ``nnx.state``."""
+  if isinstance(value, nnx.GraphDef):
+    raise ValueError(
+        "got an NNX GraphDef, which holds no values: pass the state from the same "
+        "nnx.split (graphdef, state = nnx.split(...)), or the optimizer itself"
+    )
+  return jax.tree.map(
+      lambda x: nnx.state(x) if _is_nnx_object(x) else x, value, is_leaf=_is_nnx_object
+  )
+
+
+def _holds_optimizer_state(tree: Any) -> bool:
+  """Whether ``tree`` could hold an optimizer's state (anything but one array or number)."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  if any(isinstance(x, nnx.Variable) for x in leaves):
+    # An NNX state: optimizer states are nnx.OptState variables (OptArray, ...).
+    return any(isinstance(x, nnx.training.optimizer.OptState) for x in leaves)
+  top = jax.tree.leaves(tree)
+  return tree is not None and not (len(top) == 1 and top[0] is tree)
+
+
 def find_scale_state(opt_state: Any) -> LossScaleState | None:
   """The one :class:`LossScaleState` inside ``opt_state``, or ``None``.
 
   Searches any nesting of tuples, lists, dicts, NamedTuples and other pytrees
-  (``optax.chain``, ``optax.multi_transform``, ``optax.MultiSteps``, ...).
+  (``optax.chain``, ``optax.multi_transform``, ``optax.MultiSteps``,
+  :class:`jmp_scaler.TrainState`), and every form Flax NNX hands out: a live
+  ``nnx.Optimizer`` / :class:`jmp_scaler.NNXOptimizer` (or a tuple such as
+  ``(model, optimizer)``), ``nnx.state(optimizer)``, the state of
+  ``nnx.split((model, optimizer))`` and ``nnx.to_pure_dict`` of it. In the last
+  three forms the scaler is a mapping of its fields; it is returned as a
+  :class:`LossScaleState` whose static ``config.axis_name`` and
+  ``config.skip_mode`` take their defaults (a mapping does not keep them).
+
+  Returns:
+    The scaler's state (with plain array leaves), or ``None`` for an optimizer
+    state without a scaler.
 
   Raises:
-    ValueError: if ``opt_state`` holds more than one scaler state.
+    ValueError: if ``opt_state`` holds more than one scaler state, or cannot hold
+      an optimizer state at all (an array, a number, ``None``, an NNX model or
+      ``nnx.state(model)`` without an optimizer, a ``GraphDef``): such a call
+      would otherwise read a scale of 1 while the scaler divides by another.
   """
-  found = [
-      leaf
-      for leaf in jax.tree.leaves(opt_state, is_leaf=_is_scale_state)
-      if _is_scale_state(leaf)
-  ]
+  tree = _searchable(opt_state)
+  is_leaf = lambda x: _is_scale_state(x) or _is_scale_mapping(x)  # noqa: E731
+  found = [x for x in jax.tree.leaves(tree, is_leaf=is_leaf) if is_leaf(x)]
   if len(found) > 1:
     raise ValueError(
         f"opt_state holds {len(found)} loss-scaler states; use one scaler per "
         "optimizer (put jmp_scaler.dynamic_scale() once, at the head of the chain)"
     )
-  return found[0] if found else None
+  if not found:
+    if not _holds_optimizer_state(tree):
+      raise ValueError(
+          f"{type(opt_state).__name__} cannot hold a loss scaler: pass the optimizer "
+          "state (TrainState.opt_state, an optax opt_state, an nnx.Optimizer or its "
+          f"nnx.state), got {_describe(opt_state)}"
+      )
+    return None
+  state = found[0]
+  if _is_scale_mapping(state):
+    return _from_mapping(state)
+  return jax.tree.map(_value, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _describe(x: Any) -> str:
+  text = repr(x)
+  return text if len(text) <= 80 else text[:77] + "..."
 
 
 def replace_scale_state(opt_state: Any, new: LossScaleState) -> Any:
@@ -46,14 +137,16 @@ def replace_scale_state(opt_state: Any, new: LossScaleState) -> Any:
 def get_scale(opt_state: Any) -> jax.Array:
   """The current loss scale (a float32 scalar array) held in ``opt_state``.
 
-  Multiply the loss by it before taking gradients::
-
-    grads = jax.grad(lambda p: loss_fn(p) * jmp_scaler.get_scale(opt_state))(p)
-
-  An ``opt_state`` without a scaler (for example under a bfloat16 policy,
-  whose :meth:`jmp_scaler.Policy.loss_scaler` is ``optax.identity()``) scales
-  by 1, so the same train step serves every policy. Reading the scale does
+  Multiply the loss by it before taking gradients (or let
+  :func:`jmp_scaler.value_and_grad` do it). ``opt_state`` may be any form
+  :func:`find_scale_state` accepts: an optax state, a
+  :class:`jmp_scaler.TrainState`, an NNX optimizer or its ``nnx.state``.
+  An optimizer state without a scaler scales by 1. Reading the scale does
   not synchronise with the host.
+
+  Raises:
+    ValueError: as :func:`find_scale_state`, for a value that cannot hold a
+      scaler.
   """
   state = find_scale_state(opt_state)
   if state is None:
@@ -67,11 +160,22 @@ def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
   Keys: ``scale`` (float32), ``skipped`` (bool: the last update was skipped),
   ``consecutive_skips``, ``total_skips``, ``steps`` (updates seen, skipped
   or not) and ``growth_tracker`` (int32). Values stay on the device; convert
-  them on the host when logging. Empty when ``opt_state`` holds no scaler.
+  them on the host when logging (:func:`jmp_scaler.to_scalars`). Every
+  :class:`jmp_scaler.Policy`'s :meth:`~jmp_scaler.Policy.loss_scaler` holds a
+  scaler, so the keys are the same under every policy.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no scaler (there is nothing to report:
+      build the chain with ``policy.loss_scaler()`` or
+      ``jmp_scaler.no_scale()``), or cannot hold one.
   """
   state = find_scale_state(opt_state)
   if state is None:
-    return {}
+    raise ValueError(
+        "opt_state holds no loss scaler, so there are no scaler metrics: put "
+        "policy.loss_scaler() (or jmp_scaler.no_scale(), which scales by 1 and still "
+        "skips non-finite steps) at the head of the chain"
+    )
   return {
       "scale": state.scale,
       "skipped": state.skipped,

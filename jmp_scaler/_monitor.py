@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_scaler import _validation as validation
@@ -53,9 +54,11 @@ def to_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float 
       out.update(to_scalars(value, f"{name}/"))
     else:
       v = np.asarray(value)
-      if v.size != 1 or not (np.issubdtype(v.dtype, np.number) or v.dtype == np.bool_):
-        raise ValueError(f"metric {name!r} must be a scalar, got {value!r}")
-      out[name] = float(v.item()) if np.issubdtype(v.dtype, np.floating) else int(v.item())
+      # jnp.issubdtype knows bfloat16 (a bf16 loss is normal under a bf16 policy).
+      numeric = jnp.issubdtype(v.dtype, jnp.number) or v.dtype == np.bool_
+      if v.size != 1 or not numeric or jnp.issubdtype(v.dtype, jnp.complexfloating):
+        raise ValueError(f"metric {name!r} must be a scalar (real, integer or bool), got {value!r}")
+      out[name] = float(v.item()) if jnp.issubdtype(v.dtype, jnp.floating) else int(v.item())
   return out
 
 

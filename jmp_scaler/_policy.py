@@ -10,20 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_scaler._scaler import dynamic_scale
+from jmp_scaler._scaler import dynamic_scale, no_scale
 
 T = TypeVar("T")
 
+_FLOAT64 = np.dtype(jnp.float64)
 _FLOAT32 = np.dtype(jnp.float32)
 _FLOAT16 = np.dtype(jnp.float16)
 _BFLOAT16 = np.dtype(jnp.bfloat16)
 
 _NAMES = {
+    "f64": _FLOAT64, "float64": _FLOAT64,
     "f32": _FLOAT32, "float32": _FLOAT32, "full": _FLOAT32,
     "f16": _FLOAT16, "float16": _FLOAT16,
     "bf16": _BFLOAT16, "bfloat16": _BFLOAT16,
 }  # fmt: skip
-_SHORT = {_FLOAT32: "f32", _FLOAT16: "f16", _BFLOAT16: "bf16"}
+_SHORT = {_FLOAT64: "f64", _FLOAT32: "f32", _FLOAT16: "f16", _BFLOAT16: "bf16"}
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
          "o": "output", "output": "output"}  # fmt: skip
 
@@ -34,12 +36,24 @@ def _half_dtype() -> np.dtype:
 
 
 def _canonical(name: str, dtype: Any) -> np.dtype:
+  """One of the four floating dtypes, from a dtype object or one of the policy names.
+
+  Strings are read with the policy grammar's names (``"f16"`` is float16 here,
+  where NumPy would read a 16-byte float); ``None`` is refused (NumPy reads
+  it as float64).
+  """
+  if isinstance(dtype, str):
+    return _parse_dtype(dtype, f"{name}={dtype}")
+  if dtype is None:
+    raise ValueError(f"{name} must be a floating dtype, got None")
   try:
     d = np.dtype(dtype)
   except TypeError as e:
     raise ValueError(f"{name} must be a floating dtype, got {dtype!r}") from e
-  if not jnp.issubdtype(d, jnp.floating):
-    raise ValueError(f"{name} must be a floating dtype, got {dtype!r}")
+  if d not in _SHORT:
+    raise ValueError(
+        f"{name} must be one of float16, bfloat16, float32 or float64, got {dtype!r}"
+    )
   return d
 
 
@@ -103,15 +117,32 @@ class Policy:
     """True when float16 is involved (bfloat16 has float32's range)."""
     return _FLOAT16 in (self.param_dtype, self.compute_dtype)
 
-  def loss_scaler(self, **kwargs: Any) -> optax.GradientTransformation:
+  def loss_scaler(self, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
     """The loss scaler this policy needs, to put at the head of the chain.
 
     ``jmp_scaler.dynamic_scale(**kwargs)`` when float16 is involved;
-    ``optax.identity()`` for bfloat16 and float32, where a scaler is pure
-    overhead (transformers PR#21428). :func:`jmp_scaler.get_scale` returns 1
-    for a state without a scaler, so one train step serves every policy.
+    ``jmp_scaler.no_scale()`` for bfloat16 and float32: bfloat16 has
+    float32's range and needs no scaling (a dynamic scale there is pure
+    overhead: transformers PR#21428), but it overflows to inf too, so
+    non-finite steps are still skipped exactly rather than poisoning Adam's
+    moments. Every policy therefore gives the same ``opt_state`` structure
+    and the same :func:`jmp_scaler.scale_metrics` keys, and a run can move
+    between float16, bfloat16 and float32 across a checkpoint
+    (``restore_checkpoint(..., on_config_mismatch="target")``).
+
+    Args:
+      **kwargs: :func:`jmp_scaler.dynamic_scale`'s arguments. They are
+        validated under every policy; without float16 only ``axis_name``
+        and ``skip_mode`` apply (the others configure a dynamic scale).
+
+    Returns:
+      The scaler, an ``optax.GradientTransformationExtraArgs``.
     """
-    return dynamic_scale(**kwargs) if self.needs_loss_scaling else optax.identity()
+    scaler = dynamic_scale(**kwargs)  # validates kwargs under every policy
+    if self.needs_loss_scaling:
+      return scaler
+    shared = {k: kwargs[k] for k in ("axis_name", "skip_mode") if k in kwargs}
+    return no_scale(**shared)
 
   def __str__(self) -> str:
     dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
@@ -130,7 +161,7 @@ def _parse_dtype(text: str, part: str) -> np.dtype:
   return _NAMES[value]
 
 
-def get_policy(spec: str) -> Policy:
+def get_policy(spec: str | Any) -> Policy:
   """Parses a policy string, in jmp's grammar.
 
   ``"params=float32,compute=float16,output=float32"``, the short
@@ -141,10 +172,19 @@ def get_policy(spec: str) -> Policy:
   float16 elsewhere). Params default to float32, compute follows params,
   output follows compute.
 
+  ``spec`` may also be a :class:`Policy` (returned as is) or a dtype object
+  (``jnp.float16``: all three dtypes). ``get_policy(str(policy)) == policy``
+  for every policy.
+
   Raises:
     ValueError: naming the offending part, for unknown keys or dtypes,
       repeated keys and malformed strings.
   """
+  if isinstance(spec, Policy):
+    return spec
+  if not isinstance(spec, str) and spec is not None:
+    d = _canonical("policy", spec)
+    return Policy(d, d, d)
   if not isinstance(spec, str) or not spec.strip():
     raise ValueError(f"policy must be a non-empty string, got {spec!r}")
   if "=" not in spec:

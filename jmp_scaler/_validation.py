@@ -58,13 +58,10 @@ def integer(name: str, value: Any, low: int, high: int = INT32_MAX) -> int:
   return int(x)
 
 
-def stored_f32(name: str, value: Any) -> float:
-  """``value`` as the float32 it is stored as; refuses what float32 rounds to inf."""
-  x = real(name, value)
-  stored = float(np.float32(x)) if math.isfinite(x) and abs(x) <= float(F32.max) else x
-  if not math.isfinite(stored):
-    raise ValueError(f"{name} must be finite in float32, got {value!r}")
-  return stored
+def as_f32(x: float) -> float:
+  """``x`` rounded to float32 (inf past float32's range), back as a Python float."""
+  with np.errstate(over="ignore"):
+    return float(np.float32(x))
 
 
 def positive_f32(name: str, value: Any) -> float:
@@ -87,7 +84,7 @@ def factor(name: str, value: Any, *, above_one: bool) -> float:
   them would never grow or back off, so the stored value is what is checked.
   """
   x = real(name, value)
-  stored = float(np.float32(x)) if math.isfinite(x) and abs(x) <= float(F32.max) else x
+  stored = as_f32(x)
   if above_one:
     if not (math.isfinite(stored) and stored > 1):
       raise ValueError(
@@ -121,9 +118,8 @@ def axis_name(value: Any) -> Hashable | None:
 
 
 # Every spelling XLA's flag parser takes as "on": a bare --flag, =true, =1 (any case).
-_FAST_MATH = re.compile(
-    r"--(xla_\w*fast_math\w*|xla_\w*enable_fast_min_max)(?:=(\S*))?", re.IGNORECASE
-)
+# (The ``*_fast_math_honor_*`` flags only matter once fast math is on.)
+_FAST_MATH = re.compile(r"--(xla_\w*enable_fast_math|xla_\w*enable_fast_min_max)(?:=(\S*))?")
 _OFF = ("false", "0")
 
 

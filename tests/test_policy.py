@@ -1,6 +1,7 @@
 """Dtype policies: the string grammar, the casts, the platform default."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,6 @@ def test_grammar(spec, expected):
     [
         ("p=f32,q=f16", "'q'"),
         ("c=f8", "'f8'"),
-        ("float64", "'float64'"),
         ("p=f32,params=f16", "'params' repeated"),
         ("c=f16,c=f16", "'compute' repeated"),
         ("p=f32,,c=f16", "malformed policy part ''"),
@@ -120,9 +120,55 @@ def test_policy_recommends_its_loss_scaler():
   assert fp16.needs_loss_scaling and jmp_scaler.get_policy("p=f16").needs_loss_scaling
   state = fp16.loss_scaler(init_scale=8.0).init(params)
   assert float(jmp_scaler.get_scale(state)) == 8.0
+  f16_tree = jax.tree.structure(optax.chain(fp16.loss_scaler(), optax.sgd(1.0)).init(params))
   for spec in ("c=bf16", "f32"):
     p = jmp_scaler.get_policy(spec)
     assert not p.needs_loss_scaling
-    tx = optax.chain(p.loss_scaler(), optax.sgd(1.0))
-    assert jmp_scaler.find_scale_state(tx.init(params)) is None
-    assert float(jmp_scaler.get_scale(tx.init(params))) == 1.0
+    tx = optax.chain(p.loss_scaler(init_scale=8.0), optax.sgd(1.0))
+    state = tx.init(params)
+    # A scaler that scales by 1 and still skips: same structure and metrics as float16.
+    assert float(jmp_scaler.get_scale(state)) == 1.0
+    assert jax.tree.structure(state) == f16_tree
+    assert set(jmp_scaler.scale_metrics(state)) == set(jmp_scaler.scale_metrics(
+        optax.chain(fp16.loss_scaler(), optax.sgd(1.0)).init(params)))
+    _, state = jmp_scaler.skip_nonfinite(tx).update({"w": jnp.array([jnp.nan, 1.0])}, state)
+    assert bool(state[0].skipped) and float(jmp_scaler.get_scale(state)) == 1.0
+  with pytest.raises(ValueError, match="growth_factor"):
+    jmp_scaler.get_policy("bf16").loss_scaler(growth_factor=0.5)  # validated anyway
+
+
+@pytest.mark.parametrize("dtypes", [
+    ("f32", "f16", "f32"), ("float32", "bf16", "float32"), ("full", "half", "f32"),
+    (jnp.float32, "f16", np.float32), (np.dtype("float32"), jnp.bfloat16, "float32"),
+])
+def test_policy_constructor_reads_the_librarys_own_names(dtypes):
+  p = jmp_scaler.Policy(*dtypes)
+  assert p.compute_dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+  assert p.param_dtype == f32 and p.output_dtype == f32
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ((None, None, None), "param_dtype must be a floating dtype, got None"),
+    ((jnp.float32, "f128", jnp.float32), "unknown dtype 'f128'"),
+    ((jnp.float32, np.float128, jnp.float32), "compute_dtype must be one of"),
+    ((jnp.float32, jnp.int32, jnp.float32), "compute_dtype must be one of"),
+])
+def test_policy_constructor_refuses_what_numpy_would_misread(bad, fragment):
+  with pytest.raises(ValueError, match=re.escape(fragment)):
+    jmp_scaler.Policy(*bad)
+
+
+@pytest.mark.parametrize("spec", [
+    "f32", "bf16", "f16", "f64", "float64", "p=f32,c=f16,o=f32", "p=f32,c=bf16",
+    "p=bf16,c=bf16,o=f32", "p=f64,c=f32",
+])
+def test_str_round_trips_and_dtype_objects_are_accepted(spec):
+  p = jmp_scaler.get_policy(spec)
+  assert jmp_scaler.get_policy(str(p)) == p
+  assert jmp_scaler.get_policy(p) is p
+  assert jmp_scaler.get_policy(p.compute_dtype) == jmp_scaler.Policy(*[p.compute_dtype] * 3)
+
+
+def test_get_policy_accepts_jnp_dtype_objects():
+  assert jmp_scaler.get_policy(jnp.float16) == jmp_scaler.get_policy("f16")
+  assert jmp_scaler.get_policy(jnp.bfloat16).compute_dtype == np.dtype(jnp.bfloat16)
