@@ -1,0 +1,328 @@
+"""``autocast``: mixed precision as a function transformation, op by op.
+
+``autocast(fun, policy)`` traces ``fun`` to a jaxpr and evaluates that jaxpr
+again, equation by equation, casting the floating inputs of each primitive as
+its rule says (:mod:`jmp_scaler._autocast_rules`): matmuls and convolutions in
+the policy's compute dtype, exponentials, logarithms, powers and reductions in
+float32, everything else at the widest of its inputs. The re-evaluation binds
+ordinary primitives, so the result composes with ``jax.jit``, ``jax.grad``,
+``jax.vmap`` and ``shard_map`` like any JAX function, and holds wherever and
+whenever it is jitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
+
+from jmp_scaler import _autocast_rules as R
+from jmp_scaler._autocast import as_policy
+from jmp_scaler._policy import Policy
+
+#: Name prefixes of the ``jit`` equations that mark regions: the interpreter of
+#: an enclosing ``autocast`` runs them as they are.
+AUTOCAST_MARK = "jmp_autocast"
+FULL_PRECISION_MARK = "jmp_full_precision"
+_MARKS = (AUTOCAST_MARK, FULL_PRECISION_MARK)
+_FLOAT32 = np.dtype(jnp.float32)
+
+
+# ---------------------------------------------------------------- the interpreter
+
+
+def _is_weak(var: Any) -> bool:
+  """Scalar literals (``x * 0.5``) and weakly typed values do not drive promotion."""
+  aval = var.aval
+  return (isinstance(var, Literal) and not aval.shape) or bool(getattr(aval, "weak_type", False))
+
+
+def _floating(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interpreter:
+  policy: Policy
+  table: Mapping[str, str]
+
+  def run(self, jaxpr: Any, args: Sequence[Any]) -> list:
+    """Evaluates a (closed) jaxpr on ``args`` under the rules."""
+    closed = R.as_closed(jaxpr)
+    env: dict[Any, Any] = {}
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(closed.jaxpr.invars, args, strict=True))
+    for eqn in closed.jaxpr.eqns:
+      info = eqn.source_info
+      with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
+        outs = self.apply(eqn, [read(v) for v in eqn.invars])
+      env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in closed.jaxpr.outvars]
+
+  def transform(self, closed: ClosedJaxpr, args: Sequence[Any]) -> ClosedJaxpr:
+    """``closed`` rewritten for inputs shaped like ``args``."""
+    structs = [R.struct(a) for a in args]
+    return jax.make_jaxpr(lambda *xs: self.run(closed, xs))(*structs)
+
+  def apply(self, eqn: Any, args: list) -> list:
+    name = eqn.primitive.name
+    rule = self.table.get(name)
+    if rule == R.ORIGINAL:
+      return self._original(eqn, args)
+    if name in R.JIT_NAMES:
+      body = R.jit_body(eqn)
+      if R.jit_name(eqn).startswith(_MARKS):  # a region: already decided
+        return R.rebind_jit(
+          eqn, body, [R.cast(a, v.dtype) for a, v in zip(args, body.in_avals, strict=True)]
+        )
+      return R.rebind_jit(eqn, self.transform(body, args), args)
+    if name in R.HIGHER_ORDER:
+      return R.HIGHER_ORDER[name](self.run, eqn, args)
+    if any(True for _ in jaxprs_in_params(eqn.params)):
+      warnings.warn(
+        f"jmp_scaler.autocast cannot rewrite the body of {name!r}; it runs at the dtypes "
+        "it was traced with",
+        stacklevel=2,
+      )
+      return self._original(eqn, args)
+    if rule is None:
+      rule = R.PROMOTE if not eqn.primitive.multiple_results else R.KEEP
+    return self._bind(eqn, *self._cast(eqn, args, rule))
+
+  def _cast(self, eqn: Any, args: list, rule: str) -> tuple[list, dict]:
+    params = dict(eqn.params)
+    floats = [i for i, a in enumerate(args) if _floating(a)]
+    if name_is_convert(eqn) and floats:
+      # A cast to the dtype it already had (a weak-type change) follows its input.
+      if eqn.invars[0].aval.dtype == params["new_dtype"]:
+        params["new_dtype"] = args[0].dtype
+      return args, params
+    if not floats or rule == R.KEEP:
+      return args, params
+    dtypes = [args[i].dtype for i in floats]
+    if rule == R.COMPUTE:
+      target = self.policy.compute_dtype
+      target = R.widest([target, *[d for d in dtypes if np.dtype(d).itemsize > 4]])
+    elif rule == R.FLOAT32:
+      target = R.widest([_FLOAT32, *dtypes])
+    else:  # promote: the widest, weak scalars not counted unless all are weak
+      strong = [args[i].dtype for i in floats if not _is_weak(eqn.invars[i])]
+      target = R.widest(strong or dtypes)
+    if len(set(dtypes)) > 1 or dtypes[0] != target:
+      args = [R.cast(a, target) if i in floats else a for i, a in enumerate(args)]
+    pref = params.get("preferred_element_type")
+    if pref is not None and jnp.issubdtype(pref, jnp.floating):
+      params["preferred_element_type"] = np.dtype(target)
+    return args, params
+
+  def _original(self, eqn: Any, args: list) -> list:
+    args = [R.cast(a, v.aval.dtype) for a, v in zip(args, eqn.invars, strict=True)]
+    return self._bind(eqn, args, eqn.params)
+
+  @staticmethod
+  def _bind(eqn: Any, args: list, params: Mapping[str, Any]) -> list:
+    out = eqn.primitive.bind(*args, **R.bind_params(eqn.primitive, params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def name_is_convert(eqn: Any) -> bool:
+  return eqn.primitive.name == "convert_element_type"
+
+
+# ---------------------------------------------------------------- named regions
+
+
+def _dynamic(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Static:
+  """The non-array leaves and the tree structure of a call: a static jit argument."""
+
+  def __init__(self, treedef: Any, mask: tuple[bool, ...], leaves: tuple):
+    self.treedef, self.mask, self.leaves = treedef, mask, leaves
+    self.key = (treedef, mask, tuple(self._hashable(x) for x in leaves))
+
+  @staticmethod
+  def _hashable(x: Any) -> Any:
+    try:
+      hash(x)
+      return x
+    except TypeError:
+      return ("by-id", id(x))  # kept alive by self.leaves, so the id is not reused
+
+  def rebuild(self, dynamic: Sequence[Any]) -> Any:
+    dyn, stat = iter(dynamic), iter(self.leaves)
+    leaves = [next(dyn) if m else next(stat) for m in self.mask]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Static) and self.key == other.key
+
+
+def _named_jit(body: Callable, fun: Callable, name: str) -> Callable:
+  """``body(static, *arrays)`` as a ``jit`` named ``name``: the array leaves of the
+  arguments are traced, every other leaf (Python numbers, strings) is static."""
+
+  def run(static, *dynamic):
+    return body(static, *dynamic)
+
+  run.__name__ = run.__qualname__ = name
+  jitted = jax.jit(run, static_argnums=0)
+
+  @functools.wraps(fun)
+  def wrapper(*args, **kwargs):
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    mask = tuple(_dynamic(x) for x in leaves)
+    static = _Static(treedef, mask, tuple(x for x, m in zip(leaves, mask, strict=True) if not m))
+    return jitted(static, *[x for x, m in zip(leaves, mask, strict=True) if m])
+
+  return wrapper
+
+
+def _fun_name(fun: Callable) -> str:
+  return getattr(fun, "__name__", type(fun).__name__)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def autocast(
+  fun: Callable | Policy | str | None = None,
+  policy: Policy | str | None = None,
+  *,
+  rules: Mapping[Any, str] | None = None,
+) -> Callable:
+  """Transforms ``fun`` to compute under ``policy``, op by op, as ``torch.autocast`` does.
+
+  ``fun`` is traced to a jaxpr and every equation is evaluated again with its
+  floating inputs cast as its rule says (:data:`DEFAULT_RULES`):
+
+  * ``"compute"``: matmuls and convolutions (``dot_general``,
+    ``conv_general_dilated``: what ``@``, ``jnp.einsum``, ``lax.dot``, Flax's
+    ``Dense``/``Conv`` and attention lower to) in ``policy.compute_dtype``;
+  * ``"float32"``: exponentials, logarithms, powers, square roots, ``logistic``,
+    ``erf``, reductions and cumulative sums (hence softmax, log-softmax, norms
+    and losses) in float32;
+  * ``"promote"`` (every other primitive): the widest floating input, scalar
+    constants not counted, so a float16 matmul plus a float32 bias is float32;
+  * ``"original"``: the dtypes ``fun`` was traced with.
+
+  Integer, boolean and key-typed values are never cast, nor is float64
+  narrowed. Arguments are not cast on entry (parameters stay as stored: the
+  casts happen at the op, and their gradients come back in the stored dtype);
+  floating outputs are cast to ``policy.output_dtype``. The transformation
+  enters ``jit``, ``custom_jvp`` and ``custom_vjp`` functions (keeping their
+  derivative rules), ``scan``, ``while_loop``, ``cond``/``switch``,
+  ``checkpoint`` and ``shard_map``; loop carries keep the widest dtype their
+  body gives them.
+
+  The result is a ``jit`` named ``jmp_autocast[<policy>](<name>)`` in the
+  jaxpr: an enclosing ``autocast`` runs it as it is, so nested policies and
+  :func:`full_precision` regions hold. Array leaves of the arguments are
+  traced; every other leaf (Python numbers, strings) is static, one trace per
+  value.
+
+  Use it as a function or as a decorator::
+
+    loss = jmp_scaler.autocast(loss_fn, "p=f32,c=f16,o=f32")
+
+    @jmp_scaler.autocast(policy="p=f32,c=bf16,o=f32")
+    def forward(params, x): ...
+
+    logits = jmp_scaler.autocast(model.apply, policy)(variables, x)   # linen
+
+  Args:
+    fun: the function; omit it (or pass the policy first) for a decorator.
+    policy: a :class:`jmp_scaler.Policy` or a policy string.
+    rules: primitive (or its name) -> rule, over :data:`DEFAULT_RULES`; for
+      example ``{"tanh": "float32", "reduce_max": "promote"}``.
+
+  Returns:
+    The transformed function, with ``fun``'s signature.
+
+  Raises:
+    ValueError: naming the argument, for a bad function, policy or rule.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jmp_scaler
+    >>> f = jmp_scaler.autocast(lambda w, x: jnp.exp(x @ w), "p=f32,c=f16,o=f32")
+    >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((1, 2)))
+    >>> [str(e.outvars[0].aval.dtype) for e in jaxpr.eqns[0].params["jaxpr"].eqns]
+    ['float16', 'float16', 'float16', 'float32', 'float32']
+  """
+  if isinstance(fun, (Policy, str)) and policy is None:
+    fun, policy = None, fun
+  if policy is None:
+    raise ValueError("policy must be a jmp_scaler.Policy or a policy string, got None")
+  policy = as_policy("policy", policy)
+  table = R.rule_table(rules)
+  if fun is None:
+    return functools.partial(autocast, policy=policy, rules=rules)
+  if not callable(fun):
+    raise ValueError(f"fun must be callable, got {fun!r}")
+  interp = _Interpreter(policy, table)
+
+  def body(static, *dyn):
+    def flat(*xs):
+      args, kwargs = static.rebuild(xs)
+      return fun(*args, **kwargs)
+
+    structs = [R.struct(x, weak=True) for x in dyn]
+    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*structs)
+    outs = interp.run(closed, dyn)
+    outs = [R.cast(o, policy.output_dtype) for o in outs]
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+  return _named_jit(body, fun, f"{AUTOCAST_MARK}[{policy}]({_fun_name(fun)})")
+
+
+def full_precision(fun: Callable) -> Callable:
+  """``fun`` as a float32 region: an enclosing :func:`autocast` leaves it alone.
+
+  ``torch.autocast(enabled=False)`` for JAX: half-precision floating arguments
+  are cast to float32 and ``fun`` runs exactly as written, its matmuls
+  included. The region is a ``jit`` named ``jmp_full_precision(<name>)`` in
+  the jaxpr. Used alone it changes nothing but the casts of its arguments.
+
+  Args:
+    fun: the function to keep in full precision.
+
+  Returns:
+    The wrapped function.
+
+  Raises:
+    ValueError: if ``fun`` is not callable.
+
+  Examples:
+    >>> import jax.numpy as jnp, jmp_scaler
+    >>> @jmp_scaler.autocast(policy="p=f32,c=f16,o=f32")
+    ... def f(w, x):
+    ...   return jmp_scaler.full_precision(jnp.dot)(x, w) + (x @ w)
+    >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
+    dtype('float32')
+  """
+  if not callable(fun):
+    raise ValueError(f"fun must be callable, got {fun!r}")
+
+  def body(static, *dyn):
+    up = lambda x: R.cast(x, _FLOAT32) if _floating(x) and x.dtype.itemsize < 4 else x
+    args, kwargs = static.rebuild([up(x) for x in dyn])
+    return fun(*args, **kwargs)
+
+  return _named_jit(body, fun, f"{FULL_PRECISION_MARK}({_fun_name(fun)})")
+
+
+DEFAULT_RULES = R.DEFAULT_RULES

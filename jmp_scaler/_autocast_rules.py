@@ -1,0 +1,325 @@
+"""The op table of :func:`jmp_scaler.autocast`, and the one place that knows JAX's internals.
+
+Each primitive has a rule, which decides the dtype its floating inputs are cast to:
+
+* ``"compute"``: the policy's ``compute_dtype`` (PyTorch's lower-precision list);
+* ``"float32"``: float32, or wider if an input is wider (PyTorch's float32 list);
+* ``"promote"``: the widest floating input, scalar constants not counted (the default);
+* ``"original"``: the dtypes the function was traced with (for ops whose meaning
+  depends on the bit layout, such as ``bitcast_convert_type``, and for host callbacks);
+* ``"keep"``: the inputs as they come, each in its own dtype (the default for
+  primitives with several independent results: ``psum``, ``sort``, ``device_put``).
+
+Integer, boolean and key-typed values are never cast, and float64 is never narrowed
+(PyTorch does not autocast float64 either).
+
+The second half of this module rebinds the higher-order primitives (``jit``,
+``custom_jvp_call``, ``custom_vjp_call``, ``scan``, ``while``, ``cond``, ``checkpoint``,
+``shard_map``) with transformed bodies. Their parameter names change between JAX
+versions; every such name is read here and nowhere else. Where a public API can
+rebuild the primitive (``jax.custom_jvp``, ``jax.custom_vjp``, ``lax.scan``,
+``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``, ``jax.shard_map``) it is used;
+``jit`` is rebound with its own parameters and a new body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+COMPUTE, FLOAT32, PROMOTE = "compute", "float32", "promote"
+ORIGINAL, KEEP = "original", "keep"
+RULES = (COMPUTE, FLOAT32, PROMOTE, ORIGINAL, KEEP)
+
+_COMPUTE_OPS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+_FLOAT32_OPS = (
+    # exponentials, logarithms, powers
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square", "sqrt",
+    "rsqrt", "cbrt", "logistic", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "igamma", "igammac", "polygamma", "bessel_i0e", "bessel_i1e",
+    # functions that lose their accuracy (or overflow) in half precision
+    "tan", "acos", "asin", "acosh", "asinh", "atanh", "cosh", "sinh",
+    # reductions and scans
+    "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin",
+    "cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin",
+    # linear algebra and FFT (no half-precision kernels)
+    "fft", "cholesky", "triangular_solve", "lu", "qr", "householder_product",
+    "geqrf", "geqp3", "eigh", "eig", "svd", "schur", "hessenberg", "tridiagonal",
+    "tridiagonal_solve",
+)  # fmt: skip
+_ORIGINAL_OPS = ("bitcast_convert_type", "nextafter", "pure_callback", "io_callback")
+
+#: The default rule table: primitive name -> rule. Every primitive not listed
+#: follows ``"promote"``.
+DEFAULT_RULES: dict[str, str] = {
+  **dict.fromkeys(_COMPUTE_OPS, COMPUTE),
+  **dict.fromkeys(_FLOAT32_OPS, FLOAT32),
+  **dict.fromkeys(_ORIGINAL_OPS, ORIGINAL),
+}
+
+
+def rule_table(rules: Any) -> dict[str, str]:
+  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it."""
+  if rules is None:
+    return dict(DEFAULT_RULES)
+  if not isinstance(rules, dict):
+    raise ValueError(f"rules must be a dict from primitive (or its name) to a rule, got {rules!r}")
+  table = dict(DEFAULT_RULES)
+  for key, rule in rules.items():
+    name = key if isinstance(key, str) else getattr(key, "name", None)
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"rules keys must be primitives or primitive names, got {key!r}")
+    if rule not in RULES:
+      raise ValueError(f"rules[{name!r}] must be one of {RULES}, got {rule!r}")
+    table[name] = rule
+  return table
+
+
+# ----------------------------------------------------------------- dtypes
+
+
+def is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype, jnp.floating)
+
+
+def cast(x: Any, dtype: Any) -> Any:
+  """``x`` in ``dtype`` if it is floating; anything else unchanged."""
+  if dtype is None or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  if x.dtype == dtype and not getattr(jax.typeof(x), "weak_type", False):
+    return x
+  if isinstance(x, (np.ndarray, np.generic)):
+    return np.asarray(x, dtype)
+  return lax.convert_element_type(x, dtype)
+
+
+def widest(dtypes: Sequence[Any]) -> Any:
+  """The widest floating dtype among ``dtypes`` (float16 and bfloat16 give float32)."""
+  out = None
+  for d in dtypes:
+    out = d if out is None else jnp.promote_types(out, d)
+  return out
+
+
+def join(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
+  """Element-wise widest of two lists of dtypes (non-floating entries keep ``a``'s)."""
+  return [
+    jnp.promote_types(x, y) if jnp.issubdtype(x, jnp.floating) and x != y else x
+    for x, y in zip(a, b, strict=True)
+  ]
+
+
+def struct(x: Any, dtype: Any = None, weak: bool = False) -> jax.ShapeDtypeStruct:
+  """The abstract value of ``x`` (sharding included), in ``dtype`` if given."""
+  aval = jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
+  if sharding is not None and not any(getattr(sharding, "spec", ())):
+    sharding = None  # replicated: let the context decide
+  return jax.ShapeDtypeStruct(
+    aval.shape, dtype or aval.dtype, sharding=sharding, weak_type=weak and aval.weak_type
+  )
+
+
+# ------------------------------------------------ higher-order primitives
+# Everything below reads JAX's equation parameters (jax 0.10: "jit", "remat2",
+# "custom_jvp_call", "custom_vjp_call", "scan", "while", "cond", "shard_map").
+# ``run(closed_or_jaxpr, args)`` evaluates a body under the autocast rules.
+
+Run = Callable[[Any, Sequence[Any]], list]
+
+
+def _loop_dtypes(body_carry: Callable, carry: Sequence[Any]) -> list[Any]:
+  """Carry dtypes that the transformed loop body maps to themselves (widening only)."""
+  dtypes = [jnp.result_type(c) for c in carry]
+  for _ in range(4):
+    out = body_carry([struct(c, d) for c, d in zip(carry, dtypes, strict=True)])
+    new = join(dtypes, [o.dtype for o in out])
+    if new == dtypes:
+      return dtypes
+    dtypes = new
+  return dtypes
+
+
+def _scan(run: Run, eqn, args):
+  p = eqn.params
+  body = p["jaxpr"]
+  consts, rest = args[: p["num_consts"]], args[p["num_consts"] :]
+  init, xs = rest[: p["num_carry"]], rest[p["num_carry"] :]
+  n = len(init)
+
+  def raw(carry, x):
+    return run(body, [*consts, *carry, *x])
+
+  def carry_avals(carry_structs):
+    x_structs = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in xs]
+    return jax.eval_shape(raw, carry_structs, x_structs)[:n]
+
+  dtypes = _loop_dtypes(carry_avals, init)
+
+  def step(carry, x):
+    out = raw(carry, x)
+    return [cast(o, d) for o, d in zip(out[:n], dtypes, strict=True)], out[n:]
+
+  init = [cast(c, d) for c, d in zip(init, dtypes, strict=True)]
+  carry, ys = lax.scan(
+    step, init, list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+  )
+  return [*carry, *ys]
+
+
+def _while(run: Run, eqn, args):
+  p = eqn.params
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
+  body = lambda carry: run(p["body_jaxpr"], [*bconsts, *carry])
+  dtypes = _loop_dtypes(lambda c: jax.eval_shape(body, c), init)
+  out = lax.while_loop(
+    lambda carry: run(p["cond_jaxpr"], [*cconsts, *carry])[0],
+    lambda carry: [cast(o, d) for o, d in zip(body(carry), dtypes, strict=True)],
+    [cast(c, d) for c, d in zip(init, dtypes, strict=True)],
+  )
+  return list(out)
+
+
+def _cond(run: Run, eqn, args):
+  index, ops = args[0], args[1:]
+  fns = [lambda *xs, b=b: run(b, xs) for b in eqn.params["branches"]]
+  shapes = [jax.eval_shape(f, *[struct(x) for x in ops]) for f in fns]
+  dtypes = [widest(ds) for ds in zip(*[[s.dtype for s in out] for out in shapes], strict=True)]
+  cast_out = lambda f: lambda *xs: [cast(o, d) for o, d in zip(f(*xs), dtypes, strict=True)]
+  return list(lax.switch(index, [cast_out(f) for f in fns], *ops))
+
+
+def _remat(run: Run, eqn, args):
+  p = eqn.params
+  fn = lambda *xs: run(p["jaxpr"], xs)
+  return list(jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args))
+
+
+def _shard_map(run: Run, eqn, args):
+  p = eqn.params
+  fn = jax.shard_map(
+    lambda *xs: tuple(run(p["jaxpr"], xs)),
+    mesh=p["mesh"],
+    in_specs=tuple(p["in_specs"]),
+    out_specs=tuple(p["out_specs"]),
+    axis_names=p["newly_manual_axes"],
+    check_vma=p["check_vma"],
+  )
+  return list(fn(*args))
+
+
+def _named(fn: Callable, closed: ClosedJaxpr) -> Callable:
+  """``fn`` under the name of the function ``closed`` was traced from."""
+  name = getattr(closed.jaxpr.debug_info, "func_name", None)
+  if isinstance(name, str) and name:
+    fn.__name__ = fn.__qualname__ = name.split(" ")[0]
+  return fn
+
+
+def _custom_jvp(run: Run, eqn, args):
+  """``jax.custom_jvp`` rebuilt: the function and its JVP rule both run under autocast.
+
+  The JVP rule is the one the user wrote (traced to a jaxpr by JAX at the original
+  dtypes); its primal outputs are cast to the function's and its tangents to theirs.
+  """
+  p = eqn.params
+  call, nconsts, jvp_fun = p["call_jaxpr"], p["num_consts"], p["jvp_jaxpr_fun"]
+  fun = jax.custom_jvp(_named(lambda *xs: run(call, xs), call))
+
+  def rule(primals, tangents):
+    outs = jax.eval_shape(lambda *a: run(call, a), *[struct(x) for x in primals])
+    jvp_jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*[False] * (len(primals) - nconsts))
+    res = run(ClosedJaxpr(jvp_jaxpr, jvp_consts), [*primals[nconsts:], *tangents[nconsts:]])
+    nz = iter(res[len(out_zeros) :])
+    tan = [
+      jnp.zeros(o.shape, o.dtype) if z else cast(next(nz), o.dtype)
+      for o, z in zip(outs, out_zeros, strict=True)
+    ]
+    prim = [cast(o, r.dtype) for o, r in zip(res[: len(out_zeros)], outs, strict=True)]
+    return prim, tan
+
+  fun.defjvp(rule)
+  return list(fun(*args))
+
+
+def _custom_vjp(run: Run, eqn, args):
+  """``jax.custom_vjp`` rebuilt: the function, its forward and backward under autocast.
+
+  Cotangents of the inputs are cast to the inputs' (transformed) dtypes.
+  """
+  p = eqn.params
+  call, nconsts = p["call_jaxpr"], p["num_consts"]
+  fwd_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
+  fun = jax.custom_vjp(_named(lambda *xs: run(call, xs), call))
+  in_structs = [struct(x) for x in args]
+
+  def fwd(*xs):
+    primals = xs[nconsts:]
+    fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*[True] * len(primals))
+    outs = run(ClosedJaxpr(fwd_jaxpr, fwd_consts), primals)
+    _, res_tree, input_fwds = out_trees()
+    n_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    res_out, prim_out = outs[:n_res], outs[n_res:]
+    it = iter(res_out)
+    res = [next(it) if f is None else primals[f] for f in input_fwds]
+    shapes = jax.eval_shape(lambda *a: run(call, a), *in_structs)
+    prim_out = [cast(o, s.dtype) for o, s in zip(prim_out, shapes, strict=True)]
+    return prim_out, res
+
+  def bwd_rule(res, cts):
+    flat = jax.make_jaxpr(lambda *a: bwd.call_wrapped(*a))(*res, *cts)
+    grads = run(flat, [*res, *cts])
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in in_structs[:nconsts]]
+    return (*zeros, *[cast(g, s.dtype) for g, s in zip(grads, in_structs[nconsts:], strict=True)])
+
+  fun.defvjp(fwd, bwd_rule)
+  return list(fun(*args))
+
+
+#: Primitive name -> handler(run, eqn, args) returning the list of outputs.
+HIGHER_ORDER: dict[str, Callable] = {
+  "scan": _scan,
+  "while": _while,
+  "cond": _cond,
+  "remat2": _remat,
+  "checkpoint": _remat,
+  "shard_map": _shard_map,
+  "custom_jvp_call": _custom_jvp,
+  "custom_vjp_call": _custom_vjp,
+}
+
+#: The names of the primitive that ``jax.jit`` binds (its body is a ``ClosedJaxpr``).
+JIT_NAMES = ("jit", "pjit")
+
+
+def jit_body(eqn) -> ClosedJaxpr:
+  return eqn.params["jaxpr"]
+
+
+def jit_name(eqn) -> str:
+  return str(eqn.params.get("name", ""))
+
+
+def rebind_jit(eqn, body: ClosedJaxpr, args: Sequence[Any]) -> list:
+  """Binds ``eqn``'s jit primitive with a new body (same shardings, donations, name)."""
+  return list(eqn.primitive.bind(*args, **{**eqn.params, "jaxpr": body}))
+
+
+def bind_params(primitive: Any, params: dict) -> dict:
+  """The keyword arguments of ``primitive.bind`` for an equation's ``params``."""
+  return primitive.get_bind_params(params)
+
+
+def as_closed(jaxpr: Any) -> ClosedJaxpr:
+  return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, [])
+
+
+def is_jaxpr(x: Any) -> bool:
+  return isinstance(x, (ClosedJaxpr, Jaxpr))
