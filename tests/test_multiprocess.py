@@ -1,10 +1,12 @@
 """Two processes (2 virtual CPU devices each) on localhost: one overflows, both skip.
 
 The processes join through ``jax.distributed.initialize`` (coordinator on a
-free 127.0.0.1 port, gloo CPU collectives pinned to 127.0.0.1), train
-FSDP-style under ``shard_map`` with ``dynamic_scale(axis_name="d")``, and
-process 1 poisons its own gradient blocks at step 2. Every subprocess is
-bounded by a timeout and killed if it outlives it.
+127.0.0.1 port that the test holds until the coordinator binds it, gloo CPU
+collectives), train FSDP-style under ``shard_map`` with
+``dynamic_scale(axis_name="d")``, and process 1 poisons its own gradient
+blocks at step 2. Then the two processes of ``examples/multiprocess.py`` run
+the same way. One pair runs at a time (two cores); each pair is bounded by a
+wide timeout and killed if it outlives it.
 """
 
 import functools
@@ -30,13 +32,24 @@ sys.path.insert(0, str(TESTS))
 import mp_worker  # noqa: E402
 
 STEPS, BAD_STEP, BAD_PROCESS = 4, 2, 1
-TIMEOUT = 150
+# Seconds for a pair of processes: about 15 s alone, a minute with two suites on two
+# cores; the margin covers a load of 10 without turning a hang into a long wait.
+TIMEOUT = 900
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def _held_port():
+  """A socket holding a free 127.0.0.1 port (``SO_REUSEPORT``) until it is closed.
+
+  Closing a probe socket and handing its port over leaves a window in which
+  another process can take the port. The coordinator's gRPC server binds with
+  ``SO_REUSEPORT``, so it can share the held port; every other bind of it,
+  and the kernel's choice of a free port for anyone else, is refused while
+  the test holds it. The socket never listens, so no connection lands on it.
+  """
+  s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+  s.bind(("127.0.0.1", 0))
+  return s
 
 
 def _env():
@@ -45,45 +58,67 @@ def _env():
               XLA_FLAGS="--xla_backend_optimization_level=0")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def started(tmp_path_factory):
-  """The two workers and the example's launcher start together; survivors are killed."""
-  tmp = tmp_path_factory.mktemp("mp")
-  port = _free_port()
-  commands = {
-      f"p{i}": [sys.executable, str(TESTS / "mp_worker.py"), "--process-id", str(i),
-                "--port", str(port), "--steps", str(STEPS), "--bad-step", str(BAD_STEP),
-                "--bad-process", str(BAD_PROCESS), "--out", str(tmp / f"p{i}.json")]
-      for i in range(2)
-  }
-  commands["example"] = [sys.executable, str(ROOT / "examples" / "multiprocess.py"),
-                         "--num-processes", "2", "--steps", "3", "--bad-step", "1",
-                         "--timeout", str(TIMEOUT - 10)]
-  # Own process groups, so that a timeout also kills the example's workers.
-  procs = {name: subprocess.Popen(cmd, cwd=TESTS, env=_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
-           for name, cmd in commands.items()}
-  yield tmp, procs
+def _start(commands):
+  """Own process groups, so that a timeout kills whatever a process started too."""
+  return {name: subprocess.Popen(cmd, cwd=TESTS, env=_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+          for name, cmd in commands.items()}
+
+
+def _kill(procs):
   for p in procs.values():
     if p.poll() is None:
       os.killpg(p.pid, signal.SIGKILL)
       p.wait()
 
 
-def _finished(procs, name):
-  """The stdout of a successful run, waited for (bounded); skips where gloo cannot use loopback."""
-  out, err = procs[name].communicate(timeout=TIMEOUT)
-  if procs[name].returncode == mp_worker.EXIT_SKIP:
-    pytest.skip("gloo cannot be pinned to 127.0.0.1 on this machine")
-  assert procs[name].returncode == 0, err[-3000:]
-  return out
+def _finished(procs):
+  """Each process's stdout, waited for (one deadline for the pair); skips where gloo cannot
+  listen; a failure shows every process's stderr, since one's error is often the other's."""
+  outs, errs = {}, {}
+  for name, p in procs.items():
+    try:
+      outs[name], errs[name] = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+      _kill(procs)
+      pytest.fail(f"{name} still running after {TIMEOUT} s; killed the pair")
+  if any(p.returncode == mp_worker.EXIT_SKIP for p in procs.values()):
+    pytest.skip("gloo cannot listen on this host's address: " + " ".join(errs.values())[-300:])
+  report = "\n".join(f"--- {n} (rc={p.returncode}):\n{errs[n][-3000:]}" for n, p in procs.items())
+  assert all(p.returncode == 0 for p in procs.values()), report
+  return outs
 
 
 @pytest.fixture(scope="module")
-def results(started):
-  tmp, procs = started
-  for name in ("p0", "p1"):
-    _finished(procs, name)
+def workers(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("mp")
+  with _held_port() as held:
+    port = held.getsockname()[1]
+    procs = _start({
+        f"p{i}": [sys.executable, str(TESTS / "mp_worker.py"), "--process-id", str(i),
+                  "--port", str(port), "--steps", str(STEPS), "--bad-step", str(BAD_STEP),
+                  "--bad-process", str(BAD_PROCESS), "--out", str(tmp / f"p{i}.json")]
+        for i in range(2)
+    })
+    try:
+      yield tmp, procs
+    finally:
+      _kill(procs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_workers_first(request):
+  """The workers start with the module's first test (the in-process reference runs meanwhile),
+  unless no selected test needs them (``-m "not slow"``)."""
+  if any(item.module is request.module and "workers" in item.fixturenames
+         for item in request.session.items):
+    request.getfixturevalue("workers")
+
+
+@pytest.fixture(scope="module")
+def results(workers):
+  tmp, procs = workers
+  _finished(procs)
   return [json.loads((tmp / f"p{i}.json").read_text()) for i in range(2)]
 
 
@@ -112,11 +147,13 @@ def test_single_process_reference_skips_the_bad_step():
   assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9] and int(ref.step) == STEPS - 1
 
 
+@pytest.mark.slow
 def test_two_processes_form_one_mesh(results):
   assert [r["process_id"] for r in results] == [0, 1]
   assert all(r["devices"] == 4 and r["local_devices"] == 2 for r in results)
 
 
+@pytest.mark.slow
 def test_both_processes_skip_the_step_one_of_them_overflowed(results):
   expected = [i == BAD_STEP for i in range(STEPS)]
   for r in results:
@@ -129,6 +166,7 @@ def _params(result):
   return {k: np.asarray(v, np.float32) for k, v in result["params"].items()}
 
 
+@pytest.mark.slow
 def test_equal_scales_and_bit_identical_params_across_processes(results):
   a, b = results
   assert a["scales"] == b["scales"]
@@ -136,6 +174,7 @@ def test_equal_scales_and_bit_identical_params_across_processes(results):
     np.testing.assert_array_equal(v.view(np.uint32), _params(b)[k].view(np.uint32))
 
 
+@pytest.mark.slow
 def test_matches_a_single_process_run(results):
   ref, scales = _single_process()
   assert results[0]["scales"] == scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]
@@ -146,8 +185,22 @@ def test_matches_a_single_process_run(results):
     np.testing.assert_allclose(v, ref.params[k], rtol=1e-5, atol=1e-6)
 
 
-def test_example_runs(started):
-  out = _finished(started[1], "example")
+@pytest.mark.slow
+def test_example_runs():
+  """The example's processes, started as its launcher would; last, after the workers' pair."""
+  with _held_port() as held:
+    coordinator = f"127.0.0.1:{held.getsockname()[1]}"
+    procs = _start({
+        f"e{i}": [sys.executable, str(ROOT / "examples" / "multiprocess.py"), "--num-processes",
+                  "2", "--steps", "3", "--bad-step", "1", "--process-id", str(i),
+                  "--coordinator", coordinator]
+        for i in range(2)
+    })
+    try:
+      outs = _finished(procs)
+    finally:
+      _kill(procs)
+  out = outs["e0"] + outs["e1"]
   finals = [line for line in out.splitlines() if "final" in line]
   assert len(finals) == 2, out
   assert finals[0].split("final", 1)[1] == finals[1].split("final", 1)[1]  # same on both
