@@ -12,7 +12,6 @@ from jmp_scaler._autocast_linen import LINEN_FLOAT32_MODULES as LINEN_FLOAT32_MO
 from jmp_scaler._autocast_linen import autocast_linen as autocast_linen
 from jmp_scaler._autocast_nnx import NNX_FLOAT32_MODULES as NNX_FLOAT32_MODULES
 from jmp_scaler._autocast_nnx import autocast_nnx as autocast_nnx
-from jmp_scaler._checkpoint import check_restored as check_restored
 from jmp_scaler._checkpoint import from_bytes as from_bytes
 from jmp_scaler._checkpoint import restore_checkpoint as restore_checkpoint
 from jmp_scaler._checkpoint import save_checkpoint as save_checkpoint
@@ -31,6 +30,7 @@ from jmp_scaler._nnx import NNXOptimizer as NNXOptimizer
 from jmp_scaler._policy import Policy as Policy
 from jmp_scaler._policy import default_policy as default_policy
 from jmp_scaler._policy import get_policy as get_policy
+from jmp_scaler._restore_check import check_restored as check_restored
 from jmp_scaler._scaler import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from jmp_scaler._scaler import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
 from jmp_scaler._scaler import LossScaleState as LossScaleState

@@ -1,16 +1,15 @@
-"""Checkpoints that resume the loss scaler exactly, and check what they restore.
+"""Checkpoint input and output (Orbax, ``flax.serialization``, NNX objects), checked.
 
-The scaler's whole state, its configuration included, is made of array
-leaves, so any checkpointer saves it. What a checkpointer cannot do is judge
-it: restoring a run into a differently configured scaler, or a scale that
-was corrupted on disk, would otherwise go unnoticed (the scale resets or the
-run turns to NaN: metaseq#3, accelerate#4289, fairseq2#1346).
+Every restore goes through :func:`jmp_scaler.check_restored`
+(``_restore_check.py``), which judges the scaler's state; this module moves
+the bytes and refuses a checkpoint whose layout differs from the target's.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,142 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx, serialization
 
-from jmp_scaler._scaler import LossScaleState
-
-Mismatch = Literal["raise", "saved", "target"]
-_MODES = ("raise", "saved", "target")
-_CONFIG_FIELDS = (
-    "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "hysteresis",
-)  # fmt: skip
-_COUNTERS = ("growth_tracker", "hysteresis_tracker", "consecutive_skips", "total_skips", "steps")
-
-
-def _is_lss(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
-def _host(x: Any) -> np.ndarray:
-  return np.asarray(x.get_value() if isinstance(x, nnx.Variable) else x)
-
-
-def _reconcile(saved, target, mode: Mismatch, where: str) -> dict[str, Any]:
-  """Checks one restored scaler state against the target's; returns the
-  leaves to write (possibly none)."""
-  scale = _host(saved.scale)
-  if not (np.isfinite(scale) and scale > 0):
-    raise ValueError(
-        f"the restored loss scale at {where} is {scale}: it must be positive and "
-        "finite; the checkpoint is corrupted (restoring it would train on NaN)"
-    )
-  for name in _COUNTERS:
-    if _host(getattr(saved, name)) < 0:
-      raise ValueError(f"the restored {name} at {where} is negative: the checkpoint is corrupted")
-  got = {f: _host(getattr(saved.config, f)) for f in _CONFIG_FIELDS}
-  want = {f: _host(getattr(target.config, f)) for f in _CONFIG_FIELDS}
-  diff = [f for f in _CONFIG_FIELDS if not np.array_equal(got[f], want[f])]
-  if diff and mode == "raise":
-    listed = "; ".join(f"{f}: saved {got[f]}, target {want[f]}" for f in diff)
-    raise ValueError(
-        f"the loss scaler restored at {where} was configured differently from the "
-        f"target's ({listed}). Pass on_config_mismatch='saved' to continue with the "
-        "saved configuration, or 'target' to apply the target's"
-    )
-  if diff and mode == "target":
-    low, high = want["min_scale"], want["max_scale"]
-    tracker = np.minimum(_host(saved.hysteresis_tracker), want["hysteresis"])
-    return {
-        **{("config", f): want[f] for f in _CONFIG_FIELDS},
-        ("scale",): np.clip(scale, low, high).astype(np.float32),
-        ("hysteresis_tracker",): tracker.astype(np.int32),
-    }
-  sane = (
-      np.isfinite(got["growth_factor"]) and got["growth_factor"] >= 1
-      and 0 < got["backoff_factor"] <= 1 and got["growth_interval"] >= 1
-      and 0 < got["min_scale"] <= got["max_scale"] < np.inf and got["hysteresis"] >= 1
-  )  # fmt: skip
-  if not sane:
-    listed = ", ".join(f"{f}={got[f]}" for f in _CONFIG_FIELDS)
-    raise ValueError(f"the restored scaler configuration at {where} is invalid ({listed}): "
-                     "the checkpoint is corrupted")  # fmt: skip
-  if not got["min_scale"] <= scale <= got["max_scale"]:
-    raise ValueError(
-        f"the restored loss scale at {where} is {scale}, outside its configured bounds "
-        f"[{got['min_scale']}, {got['max_scale']}]: the checkpoint is corrupted"
-    )
-  return {}
-
-
-def _write(lss: LossScaleState, changes: dict[tuple, Any]) -> LossScaleState:
-  """``lss`` (pure arrays) with ``changes`` applied, dtypes kept."""
-  config = lss.config.replace(**{
-      k[1]: jnp.asarray(v, getattr(lss.config, k[1]).dtype)
-      for k, v in changes.items() if k[0] == "config"
-  })  # fmt: skip
-  top = {k[0]: jnp.asarray(v, getattr(lss, k[0]).dtype) for k, v in changes.items() if len(k) == 1}
-  return lss._replace(config=config, **top)
-
-
-def _check_mode(on_config_mismatch: Any) -> None:
-  if on_config_mismatch not in _MODES:
-    raise ValueError(f"on_config_mismatch must be one of {_MODES}, got {on_config_mismatch!r}")
-
-
-def check_restored(restored: Any, target: Any, *, on_config_mismatch: Mismatch = "raise") -> Any:
-  """Checks every loss-scaler state in ``restored`` against ``target``.
-
-  Use it after any restore (Orbax, ``flax.serialization``, your own): it
-  pairs the :class:`jmp_scaler.LossScaleState` of ``restored`` with those of
-  ``target`` (a freshly initialised state with the configuration you mean to
-  run with) and compares the recorded :class:`jmp_scaler.ScaleConfig`.
-
-  Args:
-    restored: the restored pytree (``jmp_scaler.TrainState``, an
-      ``opt_state``, a dict holding them, ...).
-    target: a pytree of the same structure, built with the current scaler.
-    on_config_mismatch: what a configuration that differs from the target's
-      does: ``"raise"`` (default) a ``ValueError`` listing the differences;
-      ``"saved"`` keeps the saved configuration (the run continues as it was
-      configured); ``"target"`` applies the target's configuration, clipping
-      the saved scale into its bounds and the hysteresis tracker to its
-      hysteresis, and keeping the saved scale and counters otherwise.
-
-  Returns:
-    ``restored``, with the target's configuration applied under ``"target"``.
-
-  Raises:
-    ValueError: for a mismatch under ``"raise"``, a structure mismatch, and a
-      corrupted state (a scale <= 0, inf or NaN, or outside its bounds, a
-      negative counter, an invalid saved configuration kept under
-      ``"saved"``), whatever ``on_config_mismatch`` says.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, jmp_scaler
-    >>> make = lambda n: optax.chain(jmp_scaler.dynamic_scale(growth_interval=n),
-    ...                              optax.sgd(0.1)).init({"w": jnp.ones(2)})
-    >>> try:
-    ...   jmp_scaler.check_restored(make(100), make(2000))
-    ... except ValueError as err:
-    ...   print(str(err).split("(")[1].split(")")[0])
-    growth_interval: saved 100, target 2000
-    >>> applied = jmp_scaler.check_restored(make(100), make(2000), on_config_mismatch="target")
-    >>> int(jmp_scaler.find_scale_state(applied).config.growth_interval)
-    2000
-  """
-  _check_mode(on_config_mismatch)
-  got, treedef = jax.tree_util.tree_flatten_with_path(restored, is_leaf=_is_lss)
-  want = [x for x in jax.tree.leaves(target, is_leaf=_is_lss) if _is_lss(x)]
-  found = [(p, x) for p, x in got if _is_lss(x)]
-  if len(found) != len(want):
-    raise ValueError(
-        f"restored holds {len(found)} loss-scaler states but target holds {len(want)}"
-    )
-  it = iter(want)
-  leaves = []
-  for path, x in got:
-    if _is_lss(x):
-      x = _write(x, _reconcile(x, next(it), on_config_mismatch, jax.tree_util.keystr(path) or "."))
-    leaves.append(x)
-  return jax.tree.unflatten(treedef, leaves)
+from jmp_scaler._lookup import is_scale_state
+from jmp_scaler._restore_check import Mismatch, check_mode, check_restored, reconcile
 
 
 def _is_nnx(x: Any) -> bool:
@@ -166,11 +31,11 @@ def _adopt_nnx(target: Any, restored_state: Any, mode: Mismatch) -> Any:
   """Checks ``restored_state`` against ``target`` and writes it into ``target``."""
   graphdef, _ = nnx.split(target)
   merged = nnx.merge(graphdef, restored_state)
-  want = {p: n for p, n in nnx.iter_graph(target) if _is_lss(n)}
+  want = {p: n for p, n in nnx.iter_graph(target) if is_scale_state(n)}
   for path, node in nnx.iter_graph(merged):
-    if _is_lss(node):
+    if is_scale_state(node):
       where = "/".join(map(str, path))
-      for key, value in _reconcile(node, want[path], mode, where).items():
+      for key, value in reconcile(node, want[path], mode, where).items():
         var = node.config if key[0] == "config" else node
         old = getattr(var, key[-1])
         old.set_value(jnp.asarray(value, old.get_value().dtype))
@@ -189,19 +54,72 @@ def _placed_like(restored: Any, target: Any) -> Any:
   return jnp.asarray(np.asarray(restored))
 
 
+def _layout(tree: Any, path: str = "") -> dict[str, tuple]:
+  """Every leaf of a state dict by path: ``(shape, dtype)``, or the type of a non-array."""
+  if isinstance(tree, Mapping):
+    out = {}
+    for key, value in tree.items():
+      out.update(_layout(value, f"{path}/{key}"))
+    return out or {path or "/": ("empty",)}
+  if hasattr(tree, "dtype") and hasattr(tree, "shape"):
+    return {path or "/": (tuple(tree.shape), np.dtype(tree.dtype).name)}
+  return {path or "/": (type(tree).__name__,)}
+
+
+def check_layout(saved: Any, target: Any, what: str) -> None:
+  """Raises unless ``saved`` has ``target``'s paths, shapes and dtypes (state dicts)."""
+  got, want = _layout(saved), _layout(target)
+  missing = sorted(set(want) - set(got))
+  extra = sorted(set(got) - set(want))
+  differ = [p for p in sorted(set(got) & set(want)) if got[p] != want[p]]
+  if not (missing or extra or differ):
+    return
+  lines = [f"missing {p}" for p in missing[:5]] + [f"unexpected {p}" for p in extra[:5]]
+  lines += [f"{p}: saved {got[p]}, target {want[p]}" for p in differ[:5]]
+  total = len(missing) + len(extra) + len(differ)
+  more = f" (and {total - len(lines)} more)" if total > len(lines) else ""
+  raise ValueError(
+      f"{what} does not match the target's layout: {'; '.join(lines)}{more}. Build the "
+      "target exactly as the run that saved it was built (same model, same optimizer "
+      "chain, same (model, optimizer) grouping)"
+  )
+
+
+def _orbax_error(directory: str, err: Exception) -> ValueError:
+  return ValueError(
+      f"cannot restore the checkpoint at {directory} into this target ({type(err).__name__}: "
+      f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}). The target must be "
+      "built as the saving run was: same model, same optimizer chain (every "
+      "jmp_scaler.Policy's loss_scaler() holds a scaler, so moving between float16, "
+      "bfloat16 and float32 keeps the layout; restore with on_config_mismatch='target')"
+  )
+
+
 def save_checkpoint(directory: str | os.PathLike, state: Any, *, force: bool = False) -> None:
   """Saves ``state`` with ``orbax.checkpoint.StandardCheckpointer``, and waits.
 
+  To keep the last N checkpoints, use ``orbax.checkpoint.CheckpointManager``
+  and :func:`jmp_scaler.check_restored` on what it restores (``docs/flax.md``).
+
   Args:
-    directory: path of the checkpoint folder (made absolute; created; must
-      not exist unless ``force``).
+    directory: path of the checkpoint folder (made absolute; created).
     state: a pytree (``jmp_scaler.TrainState``, ...) or NNX object(s): a
       module, an optimizer, or a tuple/list of them (their ``nnx.state``).
-    force: overwrite an existing checkpoint.
+    force: replace a checkpoint already at ``directory``.
+
+  Raises:
+    ValueError: if ``directory`` exists and ``force`` is false.
   """
+  path = os.path.abspath(directory)
+  if os.path.exists(path) and not force:
+    raise ValueError(
+        f"a checkpoint already exists at {path}: pass force=True to replace it, save each "
+        "step to its own folder (e.g. f'{root}/step_{step}'), or keep the last N with "
+        "orbax.checkpoint.CheckpointManager (docs/flax.md)"
+    )
   tree = nnx.state(state) if _is_nnx(state) else state
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.abspath(directory), tree, force=force)
+    ckptr.save(path, tree, force=force)
     ckptr.wait_until_finished()
 
 
@@ -222,15 +140,20 @@ def restore_checkpoint(
     it is uncommitted (so a step jitted for it is not compiled again).
 
   Raises:
-    ValueError: as :func:`check_restored`.
+    ValueError: as :func:`check_restored`; for a missing checkpoint; for a
+      checkpoint whose layout differs from the target's (saying what to do).
   """
-  _check_mode(on_config_mismatch)
+  check_mode(on_config_mismatch)
+  path = os.path.abspath(directory)
+  if not os.path.isdir(path):
+    raise ValueError(f"no checkpoint at {path}")
   nnx_target = _is_nnx(target)
   tree = nnx.state(target) if nnx_target else target
   with ocp.StandardCheckpointer() as ckptr:
-    restored = ckptr.restore(
-        os.path.abspath(directory), jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-    )
+    try:
+      restored = ckptr.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
+    except (ValueError, KeyError, TypeError) as err:
+      raise _orbax_error(path, err) from err
   restored = jax.tree.map(_placed_like, restored, tree)
   if nnx_target:
     return _adopt_nnx(target, restored, on_config_mismatch)
@@ -241,19 +164,28 @@ def _is_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _plain(state: Any) -> Any:
+  """The state dict :func:`to_bytes` writes: NNX objects as pure dicts, keys as key data."""
+  if _is_nnx(state):
+    state = nnx.to_pure_dict(nnx.state(state))
+  plain = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+  return serialization.to_state_dict(plain)
+
+
 def to_bytes(state: Any) -> bytes:
   """``flax.serialization`` bytes of a pytree or of NNX object(s).
 
   PRNG key arrays (NNX's ``Rngs``) are stored as their key data.
   """
-  if _is_nnx(state):
-    state = nnx.to_pure_dict(nnx.state(state))
-  plain = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
-  return serialization.to_bytes(plain)
+  return serialization.msgpack_serialize(_plain(state))
 
 
 def from_bytes(target: Any, data: bytes, *, on_config_mismatch: Mismatch = "raise") -> Any:
   """Restores :func:`to_bytes` output into the shape of ``target``, checked.
+
+  The bytes must hold exactly the target's layout: the same paths, and at
+  each path the same shape and dtype. Nothing is filled in from the target
+  (a missing optimizer would otherwise restart with a fresh scale).
 
   Args:
     target: as in :func:`restore_checkpoint` (NNX objects are updated in
@@ -263,10 +195,28 @@ def from_bytes(target: Any, data: bytes, *, on_config_mismatch: Mismatch = "rais
 
   Returns:
     The restored pytree, or ``target`` (NNX) after its update.
+
+  Raises:
+    ValueError: as :func:`check_restored`; for bytes that are not a
+      :func:`to_bytes` checkpoint; for a layout that differs from the
+      target's, naming the paths and what differs.
   """
-  _check_mode(on_config_mismatch)
+  check_mode(on_config_mismatch)
+  try:
+    saved = serialization.msgpack_restore(data)
+  except Exception as err:  # msgpack raises many types on garbage
+    raise ValueError(
+        f"data is not a jmp_scaler.to_bytes checkpoint ({type(err).__name__}: {err})"
+    ) from err
+  want = _plain(target)
+  if isinstance(want, Mapping) and not isinstance(saved, Mapping):
+    raise ValueError(
+        f"data is not a jmp_scaler.to_bytes checkpoint (it decodes to a "
+        f"{type(saved).__name__}, not a state dict)"
+    )
+  check_layout(saved, want, "the checkpoint in data")
   if not _is_nnx(target):
-    restored = serialization.from_bytes(target, data)
+    restored = serialization.from_state_dict(target, saved)
     restored = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, restored)
     return check_restored(restored, target, on_config_mismatch=on_config_mismatch)
 
@@ -277,5 +227,5 @@ def from_bytes(target: Any, data: bytes, *, on_config_mismatch: Mismatch = "rais
     return var.replace(jnp.asarray(value, old.dtype))
 
   state = nnx.state(target)
-  nnx.replace_by_pure_dict(state, serialization.msgpack_restore(data), fill)
+  nnx.replace_by_pure_dict(state, saved, fill)
   return _adopt_nnx(target, state, on_config_mismatch)

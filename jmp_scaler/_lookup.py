@@ -13,13 +13,13 @@ from jmp_scaler._scaler import LossScaleState, ScaleConfig
 
 _FIELDS = frozenset(LossScaleState._fields)
 # The numeric (leaf) fields of ScaleConfig; axis_name and skip_mode are static.
-_CONFIG_LEAVES = frozenset(
+CONFIG_LEAVES = frozenset(
     f for f in ScaleConfig.__dataclass_fields__
     if ScaleConfig.__dataclass_fields__[f].metadata.get("pytree_node", True)
 )
 
 
-def _is_scale_state(x: Any) -> bool:
+def is_scale_state(x: Any) -> bool:
   return isinstance(x, LossScaleState)
 
 
@@ -34,7 +34,7 @@ def _is_scale_mapping(x: Any) -> bool:
   if keys != _FIELDS:
     return False
   config = x["config"]
-  return isinstance(config, Mapping) and set(config.keys()) == _CONFIG_LEAVES
+  return isinstance(config, Mapping) and set(config.keys()) == CONFIG_LEAVES
 
 
 def _value(x: Any) -> Any:
@@ -47,7 +47,7 @@ def _from_mapping(x: Mapping) -> LossScaleState:
   The static ``axis_name`` and ``skip_mode`` are not in a mapping (``nnx.state``
   and ``nnx.to_pure_dict`` keep leaves only): they take their defaults.
   """
-  config = ScaleConfig(**{k: _value(x["config"][k]) for k in _CONFIG_LEAVES})
+  config = ScaleConfig(**{k: _value(x["config"][k]) for k in CONFIG_LEAVES})
   return LossScaleState(**{k: _value(x[k]) for k in _FIELDS - {"config"}}, config=config)
 
 
@@ -101,7 +101,7 @@ def find_scale_state(opt_state: Any) -> LossScaleState | None:
       would otherwise read a scale of 1 while the scaler divides by another.
   """
   tree = _searchable(opt_state)
-  is_leaf = lambda x: _is_scale_state(x) or _is_scale_mapping(x)  # noqa: E731
+  is_leaf = lambda x: is_scale_state(x) or _is_scale_mapping(x)  # noqa: E731
   found = [x for x in jax.tree.leaves(tree, is_leaf=is_leaf) if is_leaf(x)]
   if len(found) > 1:
     raise ValueError(
@@ -130,7 +130,7 @@ def _describe(x: Any) -> str:
 def replace_scale_state(opt_state: Any, new: LossScaleState) -> Any:
   """``opt_state`` with its scaler state replaced by ``new``."""
   return jax.tree.map(
-      lambda x: new if _is_scale_state(x) else x, opt_state, is_leaf=_is_scale_state
+      lambda x: new if is_scale_state(x) else x, opt_state, is_leaf=is_scale_state
   )
 
 

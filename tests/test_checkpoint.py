@@ -180,7 +180,7 @@ def test_other_corruptions_and_structure_are_refused():
 
 
 def test_docstring_examples():
-  result = doctest.testmod(jmp_scaler._checkpoint, optionflags=doctest.NORMALIZE_WHITESPACE)
+  result = doctest.testmod(jmp_scaler._restore_check, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0
 
 
@@ -307,3 +307,115 @@ def test_checkpoint_resume_example_runs(example_run):
   assert "ValueError: the loss scaler restored" in stdout
   assert "on_config_mismatch='target': growth_interval 4" in stdout
   assert os.path.isdir(out / "step_3")
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _nnx_pair():
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  return model, jmp_scaler.NNXOptimizer(model, make_tx(), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("empty map", "missing /"),
+    ("(model,) into (model, optimizer)", "missing /1/"),
+    ("a (4, 2) kernel into Linear(5, 2)", "kernel: saved ((4, 2), 'float32'), target ((5, 2)"),
+    ("garbage", "not a jmp_scaler.to_bytes checkpoint"),
+])
+def test_from_bytes_refuses_what_does_not_match_an_nnx_target(case, fragment):
+  model, opt = _nnx_pair()
+  if case == "empty map":
+    data, target = jmp_scaler.to_bytes({}), _nnx_pair()
+  elif case == "(model,) into (model, optimizer)":
+    data, target = jmp_scaler.to_bytes((model,)), _nnx_pair()
+  elif case == "garbage":
+    data, target = b"\x05", _nnx_pair()
+  else:
+    data = jmp_scaler.to_bytes((model, opt))
+    bigger = nnx.Linear(5, 2, rngs=nnx.Rngs(0))
+    target = (bigger, jmp_scaler.NNXOptimizer(bigger, make_tx(), wrt=nnx.Param))
+  before = _bits(nnx.state(target))
+  with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    jmp_scaler.from_bytes(target, data)
+  assert _bits(nnx.state(target)) == before  # nothing written
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("shape", "/params/b1: saved ((3,), 'float32'), target ((8,), 'float32')"),
+    ("dtype", "/params/b1: saved ((8,), 'float32'), target ((8,), 'float16')"),
+    ("empty", "missing /"),
+    ("garbage", "not a jmp_scaler.to_bytes checkpoint"),
+])
+def test_from_bytes_refuses_what_does_not_match_a_pytree_target(case, fragment):
+  state = fresh_state()
+  target = fresh_state()
+  if case == "shape":
+    data = jmp_scaler.to_bytes(state.replace(params={**state.params, "b1": jnp.zeros(3)}))
+  elif case == "dtype":
+    data = jmp_scaler.to_bytes(state)
+    target = target.replace(params={**target.params, "b1": jnp.zeros(8, jnp.float16)})
+  elif case == "empty":
+    data = jmp_scaler.to_bytes({})
+  else:
+    data = b"\x05"
+  with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    jmp_scaler.from_bytes(target, data)
+
+
+def test_save_into_an_existing_checkpoint_says_what_to_do(tmp_path):
+  state = fresh_state()
+  jmp_scaler.save_checkpoint(tmp_path / "c", state)
+  with pytest.raises(ValueError, match="already exists.*force=True.*CheckpointManager"):
+    jmp_scaler.save_checkpoint(tmp_path / "c", state)
+  later = state.replace(step=jnp.asarray(7, jnp.int32))
+  jmp_scaler.save_checkpoint(tmp_path / "c", later, force=True)
+  assert int(jmp_scaler.restore_checkpoint(tmp_path / "c", fresh_state()).step) == 7
+  with pytest.raises(ValueError, match="no checkpoint at"):
+    jmp_scaler.restore_checkpoint(tmp_path / "nowhere", fresh_state())
+
+
+def test_restoring_into_another_optimizer_says_what_to_do(tmp_path):
+  jmp_scaler.save_checkpoint(tmp_path / "c", fresh_state())
+  other = fresh_state(optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1)))
+  with pytest.raises(ValueError, match="cannot restore the checkpoint .* same optimizer chain"):
+    jmp_scaler.restore_checkpoint(tmp_path / "c", other)
+
+
+def test_keep_the_last_n_with_a_checkpoint_manager(tmp_path):
+  """The documented path (docs/flax.md): Orbax's manager, then check_restored."""
+  import orbax.checkpoint as ocp
+
+  state, _ = run(fresh_state(), 0, 3)
+  options = ocp.CheckpointManagerOptions(max_to_keep=2)
+  with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+    for step in range(4):
+      manager.save(step, args=ocp.args.StandardSave(state.replace(step=jnp.asarray(step))))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 3]
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh_state())
+    restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
+  restored = jmp_scaler.check_restored(restored, fresh_state())
+  assert int(restored.step) == 3 and _bits(restored.opt_state) == _bits(state.opt_state)
+  corrupted = _with_scaler(restored, scale=jnp.asarray(-1.0, jnp.float32))
+  with pytest.raises(ValueError, match="corrupted"):
+    jmp_scaler.check_restored(corrupted, fresh_state())
+
+
+@pytest.mark.parametrize("spec", ["p=f32,c=bf16,o=f32", "f32"])
+def test_a_float16_run_resumes_under_another_policy(spec, tmp_path):
+  """Every policy's loss_scaler holds a scaler: one layout, a one-argument restore."""
+  fp16 = jmp_scaler.get_policy("p=f32,c=f16,o=f32")
+  build = lambda p: fresh_state(optax.chain(p.loss_scaler(), optax.adam(1e-2)))  # noqa: E731
+  saved = build(fp16)
+  grads = jax.tree.map(jnp.ones_like, saved.params)
+  saved = saved.apply_gradients(grads=grads)
+  jmp_scaler.save_checkpoint(tmp_path / "c", saved)
+  target = build(jmp_scaler.get_policy(spec))
+  with pytest.raises(ValueError, match="on_config_mismatch"):
+    jmp_scaler.restore_checkpoint(tmp_path / "c", target)
+  resumed = jmp_scaler.restore_checkpoint(tmp_path / "c", target, on_config_mismatch="target")
+  assert float(resumed.loss_scale) == 1.0 and int(resumed.step) == 1
+  assert _bits(resumed.params) == _bits(saved.params)
+  assert _bits(resumed.opt_state[1]) == _bits(saved.opt_state[1])  # Adam's moments and count
+  assert int(resumed.scale_metrics()["steps"]) == 1  # the call counter carries over
