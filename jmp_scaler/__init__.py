@@ -20,6 +20,7 @@ from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
 from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
 from jmp_scaler._distributed import check_axis_name as check_axis_name
 from jmp_scaler._distributed import scale_in_sync as scale_in_sync
+from jmp_scaler._grad import value_and_grad as value_and_grad
 from jmp_scaler._lookup import find_scale_state as find_scale_state
 from jmp_scaler._lookup import get_scale as get_scale
 from jmp_scaler._lookup import scale_metrics as scale_metrics
@@ -86,4 +87,5 @@ __all__ = (
     "to_scalars",
     "underflow_report",
     "unscale",
+    "value_and_grad",
 )
