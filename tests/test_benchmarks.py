@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test waits for a subprocess
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny graphs: compile fast (XLA:CPU's default codegen spends seconds per step).
 _FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -17,7 +19,7 @@ def _run(script, *args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
   out = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "benchmarks", script), *args],
-      capture_output=True, text=True, env=env, timeout=300, cwd=_ROOT,
+      capture_output=True, text=True, env=env, timeout=900, cwd=_ROOT,  # load 10: wide margin
   )
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout

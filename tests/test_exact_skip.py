@@ -222,8 +222,8 @@ def test_skip_nonfinite_inside_shard_map_with_per_device_gradients(mode):
       jmp_scaler.dynamic_scale(axis_name="d", skip_mode=mode), optax.sgd(1.0)))
   state = tx.init(jnp.zeros(4))
   specs = jax.tree.map(lambda _: P(), state)
-  step = jax.shard_map(lambda g, s: tx.update(g, s), mesh=mesh, in_specs=(P("d"), specs),
-                       out_specs=(P("d"), specs))
+  step = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s), mesh=mesh,
+                               in_specs=(P("d"), specs), out_specs=(P("d"), specs)))
   shard = functools.partial(jax.device_put, device=NamedSharding(mesh, P("d")))
   updates, state = step(shard(jnp.full(4, 2.0**16)), state)
   np.testing.assert_array_equal(updates, -np.ones(4))

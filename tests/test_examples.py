@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test waits for a subprocess
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NO_MATPLOTLIB = (  # runs an example with `import matplotlib` failing, as if not installed
     "import runpy, sys; sys.modules['matplotlib'] = None; path = sys.argv[1]; "
@@ -52,8 +54,9 @@ def _runs(out: pathlib.Path) -> dict[str, concurrent.futures.Future]:
   flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120",
          "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+  # The longest run takes about 20 s alone; the margin covers a load of 10 on two cores.
   run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=900)
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
   return {name: pool.submit(run, cmd) for name, cmd in _commands(out).items()}
 
@@ -87,7 +90,10 @@ def test_digits_table_has_three_runs_and_fp16_learns(out_dir):
   for name, (_, _, loss, acc, steps_per_s, skipped, scale) in rows.items():
     assert float(acc.rstrip("%")) > 60.0, (name, acc)  # chance is 10%
     assert float(loss) < 1.5 and float(steps_per_s) > 0
-    assert (skipped, scale) == ("-", "-") if name != "fp16" else float(scale) >= 1.0
+    if name == "fp16":
+      assert int(skipped) >= 0 and float(scale) >= 1.0, (skipped, scale)
+    else:
+      assert (skipped, scale) == ("-", "-")
   assert "fp16 scale monitor: 120 steps" in text
   for png in ("digits_loss.png", "digits_scale_fp16.png"):
     data = (out_dir / "plots" / png).read_bytes()

@@ -28,7 +28,9 @@ EXPECTED_SCALES = [SCALE, SCALE, SCALE / 2, SCALE / 2]  # step 2 overflows on on
 N = 8
 
 
-TIMEOUT = 300
+# Seconds for the subprocesses: about a minute alone, three with two suites on two cores;
+# the margin covers a load of 10.
+TIMEOUT = 900
 FAST_COMPILE = "--xla_backend_optimization_level=0"  # tiny programs: compile time dominates
 COMMANDS = {
     "worker": [sys.executable, str(TESTS / "md_worker.py")],
@@ -37,7 +39,7 @@ COMMANDS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def started():
   """Both subprocesses start together (two cores); killed at the end if still running."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
@@ -49,6 +51,15 @@ def started():
     if p.poll() is None:
       p.kill()
       p.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_first(request):
+  """The subprocesses start with the module's first test (the in-process tests run meanwhile),
+  unless no selected test needs them (``-m "not slow"``)."""
+  if any(item.module is request.module and "started" in item.fixturenames
+         for item in request.session.items):
+    request.getfixturevalue("started")
 
 
 def _finished(procs, name):
@@ -96,16 +107,28 @@ def test_check_axis_name(axis_name, grad_spec, error):
     return jnp.zeros([])
 
   if error is None:
-    _one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)
+    assert float(_one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)) == 0.0
   else:
     with pytest.raises(ValueError, match=error):
       _one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)
 
 
 def test_check_axis_name_outside_shard_map_and_without_scaler_checks_nothing():
-  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))
-  jmp_scaler.check_axis_name(jnp.ones(2), tx.init(jnp.zeros(2)))
-  jmp_scaler.check_axis_name(jnp.ones(2), optax.sgd(0.1).init(jnp.zeros(2)))
+  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))  # axis_name=None
+  opt_state = tx.init(jnp.zeros(2))
+
+  def fn(g, s):
+    jmp_scaler.check_axis_name(g, s)
+    return jnp.zeros([])
+
+  # The control: per-device gradients inside shard_map are refused with this scaler ...
+  with pytest.raises(ValueError, match="axis_name=None"):
+    _one_device_shard_map(fn, jnp.ones(2), opt_state, P("d"))
+  # ... the same arguments outside shard_map carry no mesh axes: nothing to refuse.
+  assert jmp_scaler.check_axis_name(jnp.ones(2), opt_state) is None
+  # Without a scaler there is no decision to keep in step, even on per-device gradients.
+  plain = optax.sgd(0.1).init(jnp.zeros(2))
+  assert float(_one_device_shard_map(fn, jnp.ones(2), plain, P("d"))) == 0.0
 
 
 def test_scale_in_sync_in_process():
@@ -123,6 +146,7 @@ def test_scale_in_sync_in_process():
 # What the 8-device subprocess reports.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "fsdp"])
 def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
   r = _scenario(report, name)
@@ -135,11 +159,13 @@ def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
   assert r["rel_diff"] < 1e-6
 
 
+@pytest.mark.slow
 def test_fsdp_keeps_params_and_moments_sharded(report):
   assert _scenario(report, "fsdp")["mu_spec"] == "P('d',)"
   assert _scenario(report, "dp")["mu_spec"] == "P()"
 
 
+@pytest.mark.slow
 def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
   dp, fsdp = _scenario(report, "dp"), _scenario(report, "fsdp")
   # Data parallel: the gradients are already replicated, the decision is local.
@@ -152,6 +178,7 @@ def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
   assert fsdp["scalar_all_reduces"] == 1 and fsdp["baseline_scalar_all_reduces"] == 0
 
 
+@pytest.mark.slow
 def test_shard_map_with_axis_name_every_device_skips(report):
   r = _scenario(report, "shard_map")
   assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
@@ -160,6 +187,7 @@ def test_shard_map_with_axis_name_every_device_skips(report):
   assert r["in_sync"] == [True] * 4
 
 
+@pytest.mark.slow
 def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report):
   r = _scenario(report, "shard_map")
   drift = r["no_axis_unchecked_scales"]
@@ -170,6 +198,7 @@ def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report)
   assert "axis_name='d'" in r["no_axis_check_error"]
 
 
+@pytest.mark.slow
 def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(report):
   r = _scenario(report, "accumulate")
   # Window 0 (micro-batches 0, 1): device 3's micro-batch 1 overflows; every device
@@ -179,6 +208,7 @@ def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(r
   assert r["rel_diff"] < 1e-6
 
 
+@pytest.mark.slow
 def test_pmap_with_axis_name_every_device_skips(report):
   r = _scenario(report, "pmap")
   assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
@@ -186,6 +216,7 @@ def test_pmap_with_axis_name_every_device_skips(report):
   assert all(all(row) for row in r["in_sync"])
 
 
+@pytest.mark.slow
 def test_example_runs(started):
   out = _finished(started, "example")
   lines = out.splitlines()
