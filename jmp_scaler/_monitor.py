@@ -178,7 +178,11 @@ class ScaleMonitor:
       found.append(("min_scale", f"loss scale at min_scale={self.min_scale:g} at step {step}: "
                     "it cannot back off further, so every overflowing step is skipped. The "
                     "overflow is likely not a matter of scale: look for a non-finite forward "
-                    "pass or loss (jmp_scaler.nonfinite_report), or train in bfloat16."))
+                    "pass or loss (jmp_scaler.nonfinite_report), or train in bfloat16. To "
+                    "recover, fix the cause and restore the last checkpoint taken before the "
+                    "collapse: from the default min_scale a float16 model needs about 107 "
+                    "growths (x growth_interval steps) before its gradients are non-zero "
+                    "again, steps that count as applied with all-zero float16 gradients."))
     if self._calibrating and total < step:  # an update was applied: calibration is over
       self._calibrating, self.calibration_skips = False, total
       self._recent.clear()
@@ -225,6 +229,49 @@ class ScaleMonitor:
                       "jmp_scaler.nonfinite_report; if the skips follow each growth, raise "
                       "growth_interval."))
     return found
+
+  def state_dict(self) -> dict[str, Any]:
+    """What the monitor has seen, as JSON-serialisable Python values.
+
+    Save it with each checkpoint (``json.dump(monitor.state_dict(), f)``) and
+    :meth:`load_state_dict` it into the monitor of the resumed run: its
+    warnings, calibration count, lowest and highest scale and summary then
+    continue as in the uninterrupted run (a fresh monitor would start over
+    from the restored scale). Settings (``window``, bounds) are not included:
+    build the monitor with :meth:`for_state` as before.
+    """
+    return {
+        "warnings_seen": [list(w) for w in self.warnings_seen],
+        "calibration_skips": self.calibration_skips,
+        "calibrating": self._calibrating,
+        "steps": self._steps.tolist(),
+        "scales": self._scales.tolist(),
+        "skipped": self._skipped.tolist(),
+        "total": self._total,
+        "recent": [list(r) for r in self._recent],
+        "pinned_since": self._pinned_since,
+    }
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> ScaleMonitor:
+    """Continues from a :meth:`state_dict` (after a resume); returns ``self``.
+
+    Raises:
+      ValueError: if ``state`` is not a :meth:`state_dict`, naming the missing keys.
+    """
+    missing = sorted(set(self.state_dict()) - set(state))
+    if missing:
+      raise ValueError(f"state is not a ScaleMonitor.state_dict(): missing {missing}")
+    self.warnings_seen = [(str(k), int(s), str(m)) for k, s, m in state["warnings_seen"]]
+    self.calibration_skips = int(state["calibration_skips"])
+    self._calibrating = bool(state["calibrating"])
+    self._steps = array("q", [int(x) for x in state["steps"]])
+    self._scales = array("d", [float(x) for x in state["scales"]])
+    self._skipped = array("b", [int(bool(x)) for x in state["skipped"]])
+    self._total = int(state["total"])
+    self._recent = collections.deque(
+        (int(s), float(v), int(t)) for s, v, t in state["recent"])
+    self._pinned_since = None if state["pinned_since"] is None else int(state["pinned_since"])
+    return self
 
   @property
   def history(self) -> dict[str, np.ndarray]:

@@ -206,3 +206,33 @@ def test_monitor_validates_arguments(kwargs, match):
 def test_update_requires_a_scale():
   with pytest.raises(ValueError, match="metrics must hold 'scale'"):
     ScaleMonitor().update({"loss": 1.0})
+
+
+def test_a_resumed_monitor_summarises_like_the_uninterrupted_run():
+  import json
+
+  # Calibration skips, a collapse to warn about, then recovery; resumed in the middle.
+  events = "xxx" + "." * 20 + "x" * 12 + "." * 80
+  metrics = stream(events, interval=20)
+  whole = ScaleMonitor(window=30)
+  feed(whole, metrics)
+  first = ScaleMonitor(window=30)
+  feed(first, metrics[:50])
+  saved = json.loads(json.dumps(first.state_dict()))  # as a user stores it
+  resumed = ScaleMonitor(window=30).load_state_dict(saved)
+  feed(resumed, metrics[50:])
+  assert resumed.summary() == whole.summary()
+  assert resumed.format_summary() == whole.format_summary()
+  assert resumed.history["scale"].tolist() == whole.history["scale"].tolist()
+  # Without the saved state the resumed run forgets what it saw before the checkpoint.
+  fresh = ScaleMonitor(window=30)
+  feed(fresh, metrics[50:])
+  assert fresh.summary()["lowest_scale"] != whole.summary()["lowest_scale"]
+  with pytest.raises(ValueError, match="missing"):
+    ScaleMonitor().load_state_dict({"steps": []})
+
+
+def test_the_min_scale_warning_says_how_to_recover():
+  metrics = stream("x" * 5, init=4.0, lo=1.0)
+  messages = feed(ScaleMonitor(window=10, min_scale=1.0), metrics)
+  assert any("min_scale" in m and "recover" in m for m in messages)
