@@ -217,16 +217,16 @@ def test_a_resumed_monitor_summarises_like_the_uninterrupted_run():
   whole = ScaleMonitor(window=30)
   feed(whole, metrics)
   first = ScaleMonitor(window=30)
-  feed(first, metrics[:50])
+  feed(first, metrics[:60])
   saved = json.loads(json.dumps(first.state_dict()))  # as a user stores it
   resumed = ScaleMonitor(window=30).load_state_dict(saved)
-  feed(resumed, metrics[50:])
+  feed(resumed, metrics[60:])
   assert resumed.summary() == whole.summary()
   assert resumed.format_summary() == whole.format_summary()
   assert resumed.history["scale"].tolist() == whole.history["scale"].tolist()
   # Without the saved state the resumed run forgets what it saw before the checkpoint.
   fresh = ScaleMonitor(window=30)
-  feed(fresh, metrics[50:])
+  feed(fresh, metrics[60:])
   assert fresh.summary()["lowest_scale"] != whole.summary()["lowest_scale"]
   with pytest.raises(ValueError, match="missing"):
     ScaleMonitor().load_state_dict({"steps": []})
