@@ -61,19 +61,26 @@ class _Interpreter:
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(closed.jaxpr.invars, args, strict=True))
+    casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def cast(x, dtype):  # each value cast once per dtype: one cotangent sum, in float32
+      key = (id(x), np.dtype(dtype))
+      if key not in casts:
+        casts[key] = (x, R.cast(x, dtype))
+      return casts[key][1]
+
     for eqn in closed.jaxpr.eqns:
       info = eqn.source_info
       with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
-        outs = self.apply(eqn, [read(v) for v in eqn.invars])
+        outs = self.apply(eqn, [read(v) for v in eqn.invars], cast)
       env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in closed.jaxpr.outvars]
 
   def transform(self, closed: ClosedJaxpr, args: Sequence[Any]) -> ClosedJaxpr:
     """``closed`` rewritten for inputs shaped like ``args``."""
-    structs = [R.struct(a) for a in args]
-    return jax.make_jaxpr(lambda *xs: self.run(closed, xs))(*structs)
+    return jax.make_jaxpr(lambda *xs: self.run(closed, xs))(*args)
 
-  def apply(self, eqn: Any, args: list) -> list:
+  def apply(self, eqn: Any, args: list, cast: Callable = R.cast) -> list:
     name = eqn.primitive.name
     rule = self.table.get(name)
     if rule == R.ORIGINAL:
@@ -96,9 +103,9 @@ class _Interpreter:
       return self._original(eqn, args)
     if rule is None:
       rule = R.PROMOTE if not eqn.primitive.multiple_results else R.KEEP
-    return self._bind(eqn, *self._cast(eqn, args, rule))
+    return self._bind(eqn, *self._cast(eqn, args, rule, cast))
 
-  def _cast(self, eqn: Any, args: list, rule: str) -> tuple[list, dict]:
+  def _cast(self, eqn: Any, args: list, rule: str, cast: Callable) -> tuple[list, dict]:
     params = dict(eqn.params)
     floats = [i for i, a in enumerate(args) if _floating(a)]
     if name_is_convert(eqn) and floats:
@@ -118,7 +125,7 @@ class _Interpreter:
       strong = [args[i].dtype for i in floats if not _is_weak(eqn.invars[i])]
       target = R.widest(strong or dtypes)
     if len(set(dtypes)) > 1 or dtypes[0] != target:
-      args = [R.cast(a, target) if i in floats else a for i, a in enumerate(args)]
+      args = [cast(a, target) if i in floats else a for i, a in enumerate(args)]
     pref = params.get("preferred_element_type")
     if pref is not None and jnp.issubdtype(pref, jnp.floating):
       params["preferred_element_type"] = np.dtype(target)
@@ -280,8 +287,7 @@ def autocast(
       args, kwargs = static.rebuild(xs)
       return fun(*args, **kwargs)
 
-    structs = [R.struct(x, weak=True) for x in dyn]
-    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*structs)
+    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*dyn)  # abstracts: vma, weak
     outs = interp.run(closed, dyn)
     outs = [R.cast(o, policy.output_dtype) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
