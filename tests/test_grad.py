@@ -145,3 +145,46 @@ def test_one_train_step_for_every_policy_with_the_same_metrics(policy):
                           "steps", "growth_tracker"}  # fmt: skip
   assert int(metrics["steps"]) == 3 and int(metrics["total_skips"]) == 1 and int(state.step) == 2
   assert losses[2] < losses[0]
+
+
+def test_the_documented_batch_stats_subclass_keeps_stats_of_applied_steps_only():
+  """docs/flax.md's ``class TrainState(jmp_scaler.TrainState): batch_stats: Any``."""
+  from typing import Any
+
+  import flax.linen as nn
+
+  class TrainState(jmp_scaler.TrainState):
+    batch_stats: Any
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      x = nn.Dense(8)(x)
+      return nn.Dense(1)(nn.BatchNorm(use_running_average=not train)(x))
+
+  model = Net()
+  variables = model.init(jax.random.key(0), X, train=False)
+  tx = optax.chain(jmp_scaler.dynamic_scale(64.0), optax.adam(1e-2))
+  state = TrainState.create(apply_fn=model.apply, params=variables["params"],
+                            batch_stats=variables["batch_stats"], tx=tx)  # fmt: skip
+
+  @jax.jit
+  def train_step(state, x, y):
+    def loss_fn(params):
+      out, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, x,
+                                    train=True, mutable=["batch_stats"])  # fmt: skip
+      return jnp.mean((out[:, 0] - y) ** 2), updates
+
+    (loss, updates), grads = jmp_scaler.value_and_grad(loss_fn, state, has_aux=True)(
+        state.params)
+    return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"]), loss
+
+  applied, _ = train_step(state, X, Y)
+  assert int(applied.step) == 1
+  assert not np.array_equal(applied.batch_stats["BatchNorm_0"]["mean"],
+                            state.batch_stats["BatchNorm_0"]["mean"])  # fmt: skip
+  skipped, loss = train_step(applied, X.at[0, 0].set(jnp.inf), Y)
+  assert int(skipped.step) == 1 and bool(skipped.scale_metrics()["skipped"])
+  for a, b in zip(jax.tree.leaves(skipped.batch_stats), jax.tree.leaves(applied.batch_stats),
+                  strict=True):  # fmt: skip
+    np.testing.assert_array_equal(a, b)
