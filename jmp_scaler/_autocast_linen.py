@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -94,8 +95,11 @@ def autocast_linen(
   defaults = LINEN_FLOAT32_MODULES if float32_norms else ()
   table = override_table(policy, overrides, defaults, nn.Module)
   local = threading.local()
+  traced = []
 
   def interceptor(next_fun, args, kwargs, context):
+    if not traced:
+      traced.append(True)
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
     stack = local.__dict__.setdefault("stack", [])
@@ -116,3 +120,14 @@ def autocast_linen(
 
   with nn.intercept_methods(interceptor):
     yield
+  if not traced:
+    warnings.warn(
+        "jmp_scaler.autocast_linen: no linen module was traced inside the block, so it had no "
+        "effect. The policy applies while a function is traced: a function jitted inside the "
+        "block but first called after it runs without the policy (in float32), and a cached "
+        "jitted call keeps the dtypes of its first trace. Put the block inside the traced "
+        "function, decorate the function with @jmp_scaler.autocast_linen(policy), or use "
+        "jmp_scaler.autocast(fn, policy), which holds wherever the function is jitted.",
+        UserWarning,
+        stacklevel=3,
+    )

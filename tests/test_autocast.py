@@ -1,6 +1,7 @@
 """Per-module precision for linen and NNX: the dtypes actually used, and training."""
 
 import functools
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -197,7 +198,7 @@ def test_linen_overrides_scope_mro_and_norm_default():
     "policy, linen_overrides, nnx_overrides",
     [("p=f99", None, None), (3, None, None), (F16, [nn.Dense], [nnx.Linear]),
      (F16, {"Dense": "f32"}, {"Linear": "f32"}), (F16, {nnx.Linear: "f32"}, {nn.Dense: "f32"}),
-     (F16, {nn.Dense: "f64"}, {nnx.Linear: "f64"}), (F16, {nn.Dense: 1}, {nnx.Linear: 1})],
+     (F16, {nn.Dense: "f8"}, {nnx.Linear: "f8"}), (F16, {nn.Dense: 1}, {nnx.Linear: 1})],
 )  # fmt: skip
 def test_autocast_validates_its_arguments(policy, linen_overrides, nnx_overrides):
   with pytest.raises(ValueError, match="policy|overrides"):
@@ -341,3 +342,36 @@ def test_nnx_blocks_train_under_half_policies(make, x, policy):
   assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
       jnp.dtype("float32")
   }
+
+
+# ---------------------------------------------------------------- the jit boundary
+
+
+def _dense_dots(fn, *args):
+  return [dt for name, dt in _ops(fn, *args)[0] if name == "dot_general"]
+
+
+def test_linen_block_that_traces_nothing_warns_and_the_decorator_holds():
+  model = nn.Dense(4)
+  variables = {"params": {"kernel": jnp.ones((8, 4)), "bias": jnp.zeros(4)}}
+  x = jnp.ones((2, 8))
+  # The trap: jitted inside the block, first traced after it: float32, and loud.
+  with pytest.warns(UserWarning, match="no linen module was traced inside the block"):
+    with jmp_scaler.autocast_linen(F16):
+      step = jax.jit(model.apply)
+  assert _dense_dots(step, variables, x) == [("float32", "float32")]
+  # Traced inside the block: no warning, float16. (A new function: JAX caches the
+  # trace of ``model.apply`` above, and a cache hit inside a block traces nothing.)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with jmp_scaler.autocast_linen(F16):
+      assert _dense_dots(lambda v, x: model.apply(v, x), variables, x) == [("float16", "float16")]
+
+  # The decorator enters the context at every trace, wherever it is jitted.
+  @jax.jit
+  @jmp_scaler.autocast_linen(F16)
+  def decorated(variables, x):
+    return model.apply(variables, x)
+
+  assert _dense_dots(decorated, variables, x) == [("float16", "float16")]
+  assert decorated(variables, x).dtype == jnp.float32
