@@ -72,7 +72,7 @@ class ScaleMonitor:
   * sits at ``min_scale`` (it cannot back off any further);
   * skips more than ``max_skip_rate`` of the updates over ``window`` steps;
   * is pinned at ``max_scale`` (or can no longer grow in float32) for
-    ``window`` steps (flax#2547: the scale only grows when gradients vanish).
+    ``window`` steps (the scale only grows when gradients vanish).
 
   The skips before the first applied update are the scaler's calibration
   (finding a scale from ``init_scale``), not a collapse: they are counted

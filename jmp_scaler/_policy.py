@@ -123,7 +123,7 @@ class Policy:
     ``jmp_scaler.dynamic_scale(**kwargs)`` when float16 is involved;
     ``jmp_scaler.no_scale()`` for bfloat16 and float32: bfloat16 has
     float32's range and needs no scaling (a dynamic scale there is pure
-    overhead: transformers PR#21428), but it overflows to inf too, so
+    overhead), but it overflows to inf too, so
     non-finite steps are still skipped exactly rather than poisoning Adam's
     moments. Every policy therefore gives the same ``opt_state`` structure
     and the same :func:`jmp_scaler.scale_metrics` keys, and a run can move
@@ -215,7 +215,7 @@ def default_policy(device: Any = None) -> Policy:
   Parameters and outputs in float32; compute in bfloat16 on TPU and on GPUs
   with fast bfloat16 (CUDA compute capability 8.0 and newer, and ROCm), in
   float16 on older GPUs, in float32 on CPU (half-precision matmuls are slow
-  there: jax#7431). Asks the device only when called, never at import.
+  there). Asks the device only when called, never at import.
   """
   if device is None:
     device = jax.devices()[0]
