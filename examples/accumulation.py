@@ -6,6 +6,12 @@ update ``--bad-step`` one micro-batch yields NaN gradients: it is dropped,
 the update averages the other micro-batches, and the scale backs off
 (``--mode skip_window`` skips that whole update instead).
 
+float16 overflows on its own too: the scale starts at 2^16, too high for
+these gradients on purpose (the scaler calibrates by halving), so a
+micro-batch of the first window overflows and is dropped like the injected
+one. Each line says which micro-batches were dropped and why, and the totals
+count the two causes apart.
+
   python examples/accumulation.py --steps 20 --every-k 4
 """
 
@@ -51,25 +57,52 @@ def main():
 
   @jax.jit
   def micro_step(params, opt_state, x, y, poison):
-    scale = jmp_scaler.get_scale(opt_state)
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y) * scale)(params)
+    # Gradients of loss * scale (the scale is fixed within a window); the loss unscaled.
+    loss, grads = jmp_scaler.value_and_grad(loss_fn, opt_state)(params, x, y)
     grads = jax.tree.map(lambda g: g * poison, grads)  # poison = NaN injects an overflow
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss / scale
+    return optax.apply_updates(params, updates), opt_state, loss
 
+  print(f"{args.every_k} micro-batches per update; scale: the one the window ran at")
+  injected_total, natural = 0, []
   for step in range(args.steps):
-    losses = []
+    ran_at = jmp_scaler.get_scale(opt_state)
+    losses, dropped = [], []
     for micro in range(args.every_k):
       x = rng.normal(size=(args.micro_batch, 8)).astype(np.float32)
       y = (np.tanh(x @ true_w) + 0.01 * rng.normal(size=(args.micro_batch, 1))).astype(np.float32)
       poison = np.float32(np.nan if (step, micro) == (args.bad_step, 1) else 1.0)
+      before = opt_state.dropped
       params, opt_state, loss = micro_step(params, opt_state, x, y, poison)
       losses.append(loss)
-    m = jmp_scaler.scale_metrics(opt_state)
-    print(f"update {step:3d}  loss {float(np.nanmean(np.asarray(losses))):.4f}  "
-          f"scale {float(m['scale']):9.1f}  skipped {bool(m['skipped'])}")
-  print(f"dropped micro-batches: {int(opt_state.dropped)}")
-  print(f"skipped updates: {int(jmp_scaler.scale_metrics(opt_state)['total_skips'])}")
+      dropped.append(opt_state.dropped > before)  # this micro-batch was dropped
+    losses, dropped, ran_at, m = jax.device_get(  # one transfer per update
+        (losses, dropped, ran_at, jmp_scaler.scale_metrics(opt_state)))
+    why = []
+    for micro in np.flatnonzero(dropped):
+      if (step, micro) == (args.bad_step, 1):
+        injected_total += 1
+        why.append(f"micro-batch {micro}: the injected NaN")
+      else:
+        natural.append(step)
+        why.append(f"micro-batch {micro}: float16 overflow, not injected")
+    if bool(m["skipped"]):
+      why.append("update skipped; the scale halves")
+    elif why:
+      why.append(f"update = mean of the other {args.every_k - len(why)}; the scale halves")
+    print(f"update {step:3d}  loss {np.mean(losses):.4f}  scale {float(ran_at):7g}  "
+          f"dropped {int(np.sum(dropped))}  skipped {int(m['skipped'])}"
+          + (f"  ({'; '.join(why)})" if why else ""))
+  dropped = int(opt_state.dropped)
+  print(f"dropped micro-batches: {dropped} = {injected_total} injected NaN + "
+        f"{dropped - injected_total} float16 overflow(s) at update(s) {natural}")
+  if natural and natural[0] == 0:
+    print("  update 0 ran at the initial scale, 2^16, chosen too high on purpose: the scaler\n"
+          "  calibrates by halving it until the float16 gradients fit (as GradScaler does).")
+  skipped = int(jmp_scaler.scale_metrics(opt_state)["total_skips"])
+  rule = ("an update is skipped only when all its micro-batches are dropped"
+          if args.mode == "drop_micro_batch" else "one dropped micro-batch skips its update")
+  print(f"skipped updates: {skipped} (--mode {args.mode}: {rule})")
 
 
 if __name__ == "__main__":

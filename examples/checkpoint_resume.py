@@ -10,7 +10,9 @@ The script trains a small linen MLP under ``p=f32,c=f16,o=f32`` (with
 ``jmp_scaler.autocast_linen``) and ``jmp_scaler.dynamic_scale`` with a short
 growth interval, and turns the gradients of a few chosen steps into inf (an
 fp16 overflow on demand), so the scale both grows and backs off before and
-after the save. It runs:
+after the save. The short interval also lets the scale grow until float16
+itself overflows: those steps are skipped too, and the table marks them apart
+from the injected ones. It runs:
 
 1. the whole run without interruption;
 2. the same run stopped at ``--save-at``, saved with
@@ -18,7 +20,9 @@ after the save. It runs:
    state with ``jmp_scaler.restore_checkpoint`` and continued;
 
 and checks that the two give bit-identical parameters, optimizer states and
-scale histories. Finally it shows what happens when the resumed run is built
+scale histories. ``TrainState.step`` counts *applied* updates, so after 20
+steps with one skipped it reads 19; the scaler's ``steps`` metric counts every
+step, skipped or not. Finally it shows what happens when the resumed run is built
 with a different scaler configuration: a clear error, unless an explicit
 ``on_config_mismatch`` option says which configuration to use.
 
@@ -89,21 +93,33 @@ def train_step(state, x, y, overflow):
   def loss_fn(params):
     with jmp_scaler.autocast_linen(POLICY):
       pred = state.apply_fn({"params": params}, x)
-    loss = jnp.mean((pred - y) ** 2)
-    return loss * state.loss_scale, loss
+    return jnp.mean((pred - y) ** 2)
 
-  grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
+  # Gradients of loss * scale (in float32); the loss comes back unscaled.
+  loss, grads = jmp_scaler.value_and_grad(loss_fn, state)(state.params)
   grads = jax.tree.map(lambda g: jnp.where(overflow, jnp.inf, g), grads)  # fp16 overflow
-  return state.apply_gradients(grads=grads), loss
+  new = state.apply_gradients(grads=grads)
+  return new, {"loss": loss, "ran_at": state.loss_scale, **new.scale_metrics()}
 
 
 def run(state, start: int, stop: int, overflow_at: set[int]):
+  """Steps ``start`` to ``stop - 1``; one row per step:
+  (step, loss, scale the step ran at, applied updates after it, skipped)."""
   history = []
   for step in range(start, stop):
     x, y = batch(step)
-    state, loss = train_step(state, x, y, step in overflow_at)
-    history.append((step, float(loss), float(state.loss_scale), int(state.step)))
+    state, m = train_step(state, x, y, step in overflow_at)
+    m = jmp_scaler.to_scalars(m)
+    history.append((step, m["loss"], m["ran_at"], int(state.step), bool(m["skipped"])))
   return state, history
+
+
+def note(step: int, scale: float, skipped: bool, overflow_at: set[int]) -> str:
+  if not skipped:
+    return ""
+  if step in overflow_at:
+    return "  skipped: injected inf; the scale halves"
+  return f"  skipped: float16 overflowed at scale {scale:g} (not injected); the scale halves"
 
 
 def same_bits(a, b) -> bool:
@@ -133,16 +149,24 @@ def main(argv=None) -> int:
   directory = Path(args.dir or tempfile.mkdtemp()) / f"step_{save_at}"
   stopped, first = run(make_state(args.growth_interval), 0, save_at, overflow_at)
   jmp_scaler.save_checkpoint(directory, stopped, force=True)
-  print(f"saved at step {save_at} (scale {first[-1][2]:g}) to {directory}")
+  skipped_before = [s for s, *_, skipped in first if skipped]
+  print(f"saved after {save_at} steps (steps 0-{save_at - 1}, skipped: "
+        f"{', '.join(f'step {s}' for s in skipped_before) or 'none'}), "
+        f"scale {float(stopped.loss_scale):g}, to {directory}")
   resumed = jmp_scaler.restore_checkpoint(directory, make_state(args.growth_interval))
-  print(f"restored: scale {float(resumed.loss_scale):g}, step {int(resumed.step)}")
+  seen = int(resumed.scale_metrics()["steps"])
+  print(f"restored: scale {float(resumed.loss_scale):g}, TrainState.step {int(resumed.step)} "
+        f"(applied updates: {seen} steps seen minus {seen - int(resumed.step)} skipped)")
   resumed, second = run(resumed, save_at, args.steps, overflow_at)
 
-  print(f"{'step':>5} {'loss':>10} {'scale':>8} {'applied':>8}  overflow")
-  for step, loss, scale, applied in whole:
-    mark = "  <- inf" if step in overflow_at else ""
-    sep = "  (saved here)" if step == save_at - 1 else ""
-    print(f"{step:5d} {loss:10.5f} {scale:8g} {applied:8d}{mark}{sep}")
+  print("scale: the loss scale the step ran at; applied: TrainState.step after the step")
+  print(f"{'step':>5} {'loss':>10} {'scale':>8} {'applied':>8}")
+  for step, loss, scale, applied, skipped in whole:
+    sep = "  <- saved after this step" if step == save_at - 1 else ""
+    print(f"{step:5d} {loss:10.5f} {scale:8g} {applied:8d}"
+          f"{note(step, scale, skipped, overflow_at)}{sep}")
+  natural = [s for s, *_, skipped in whole if skipped and s not in overflow_at]
+  print(f"skipped steps: injected {sorted(overflow_at)}, float16 overflows {natural}")
   identical = first + second == whole and same_bits(final, resumed)
   print(f"resumed run bit-identical to the uninterrupted one: {identical}")
 

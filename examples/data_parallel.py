@@ -61,11 +61,11 @@ def main(args):
 
   @jax.jit
   def step(state, x, y):
-    scale = state.loss_scale
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y) * scale)(state.params)
+    # Gradients of loss * scale; the loss comes back unscaled.
+    loss, grads = jmp_scaler.value_and_grad(loss_fn, state)(state.params, x, y)
     state = state.apply_gradients(grads=grads)
     # Pin the output layout (the scaler's scalars replicated, FSDP blocks kept).
-    return jax.lax.with_sharding_constraint(state, state_sharding), loss / scale
+    return jax.lax.with_sharding_constraint(state, state_sharding), loss
 
   b = args.batch_per_device * n
   for i in range(args.steps):

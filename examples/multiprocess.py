@@ -101,9 +101,9 @@ def train(args):
 
   @jax.jit
   def step(state, x, y):
-    scale = state.loss_scale
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y) * scale)(state.params)
-    return state.apply_gradients(grads=grads), loss / scale
+    # Gradients of loss * scale; the loss comes back unscaled.
+    loss, grads = jmp_scaler.value_and_grad(loss_fn, state)(state.params, x, y)
+    return state.apply_gradients(grads=grads), loss
 
   local = lambda a: a.addressable_data(0)  # this process's copy of a replicated value
   per_process = 8 * jax.local_device_count()
