@@ -13,7 +13,9 @@ largest finite value is 65504. The session follows the article's habits:
 4. ``nonfinite_report`` of the float16 inputs and of each layer's output
    (flax's ``capture_intermediates``) names the first culprit, and
    ``underflow_report`` of the float32 inputs names the feature that cannot
-   be represented;
+   be represented. Its advice names a *loss* scale, which multiplies the
+   gradients and never the inputs: for an input, read it as the factor the
+   data itself must shrink by, which step 2 showed no loss scale can do;
 5. fix: standardise the features (in float32, before the cast), retrain, and
    compare with the float32 baseline.
 
@@ -70,11 +72,10 @@ def train(scaler, policy, params, data, args, label):
 
   @jax.jit
   def step(state, idx):
-    scale = jmp_scaler.get_scale(state.opt_state)
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x[idx], y[idx], policy) * scale)(
-        state.params)
+    # Gradients of loss * scale (in float32); the loss comes back unscaled.
+    loss, grads = jmp_scaler.value_and_grad(loss_fn, state)(state.params, x[idx], y[idx], policy)
     state = state.apply_gradients(grads=grads)
-    return state, {"loss": loss / scale, **state.scale_metrics()}
+    return state, {"loss": loss, **state.scale_metrics()}
 
   rng = np.random.default_rng(args.seed)
   idx = rng.integers(0, len(y), size=(args.steps, args.batch)).astype(np.int32)
@@ -133,8 +134,13 @@ def main(argv=None) -> dict[str, float]:
   forward = {"inputs": dict(zip(FEATURES, x16.T, strict=True)), **inter}  # in forward order
   print(jmp_scaler.nonfinite_report(forward))
   print("  what float16 makes of each float32 feature (underflow_report at scale 1):")
-  print(jmp_scaler.underflow_report(dict(zip(FEATURES, x.T, strict=True)), scale=1.0))
-  print("  the culprit is the input itself: price exceeds 65504 and becomes inf.")
+  report = jmp_scaler.underflow_report(dict(zip(FEATURES, x.T, strict=True)), scale=1.0)
+  print(report)
+  print("  the culprit is the input itself: price exceeds 65504 and becomes inf.\n"
+        "  The advice above is written for gradients, where the scale is the loss scale. The\n"
+        "  loss scale multiplies the backward pass only, never the inputs, so here read it as:\n"
+        f"  price must be multiplied by at most {report.best_scale():g} to fit in float16. "
+        "No loss scale does that\n  (step 2): the data must change.")
 
   print("\n== 5. fix: standardise the features in float32, before the cast ==")
   mean, std = raw[0].mean(0), raw[0].std(0)

@@ -3,17 +3,22 @@
 The habit to keep: run a float32 baseline first, then the same model in half
 precision, and compare. One MLP, one train step, three dtype policies:
 
-* ``f32``: everything in float32, no scaler (the baseline);
-* ``bf16``: compute in bfloat16; float32's range, so no scaler is needed
-  (``Policy.loss_scaler()`` is ``optax.identity()``, the scale reads 1);
+* ``f32``: everything in float32, no loss scaling (the baseline);
+* ``bf16``: compute in bfloat16; float32's range, so no loss scaling is
+  needed (``Policy.loss_scaler()`` is ``jmp_scaler.no_scale()``: the scale
+  stays 1, a non-finite step would still be skipped);
 * ``fp16``: compute in float16, with ``jmp_scaler.dynamic_scale`` at the head
   of the chain and ``jmp_scaler.TrainState`` skipping overflowing steps.
 
-It prints a side-by-side table (final loss, accuracy, steps/s, skipped
-steps, final scale) and writes two PNGs to ``--out`` (with matplotlib): the
-loss curves and the fp16 scale history with its skipped steps marked. The
-growth interval is shortened from PyTorch's 2000 to 100 so that a short run
-shows the scale growing until float16 overflows and backing off.
+The train step is the same for the three (``jmp_scaler.value_and_grad``
+scales the loss by whatever scale the state holds). It prints a side-by-side
+table (final loss, accuracy, steps/s, skipped steps, final scale) and writes
+two PNGs to ``--out`` (with matplotlib): the loss curves next to the test
+accuracy (the three runs drawn in different line styles, since they mostly
+overlap), and the fp16 scale history with its skipped steps marked. The
+growth interval is shortened from PyTorch's 2000 to 100 (``--growth-interval``)
+so that a short run shows the scale growing until float16 overflows and
+backing off; the plot's title says which interval it ran with.
 
   pip install -e ".[examples]" && python examples/digits.py
 
@@ -73,23 +78,24 @@ def make_fns(model: MLP, policy: jmp_scaler.Policy):
   @jax.jit
   def train_step(state, x_all, y_all, idx):
     x, y = x_all[idx], y_all[idx]
-
-    def scaled_loss(params):
-      loss, _ = loss_and_logits(params, x, y)
-      return loss * jmp_scaler.get_scale(state.opt_state), loss
-
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(state.params)
+    # Gradients of loss * scale (1 under bf16 and f32); loss and logits come back unscaled.
+    (loss, _), grads = jmp_scaler.value_and_grad(loss_and_logits, state, has_aux=True)(
+        state.params, x, y)
     state = state.apply_gradients(grads=grads)
-    return state, {"loss": loss, **jmp_scaler.scale_metrics(state.opt_state)}
+    return state, {"loss": loss, **state.scale_metrics()}
 
   @jax.jit
   def evaluate(params, x_train, y_train, x_test, y_test):
     """Loss on the training set, accuracy on the test set."""
     loss, _ = loss_and_logits(params, x_train, y_train)
-    _, logits = loss_and_logits(params, x_test, y_test)
-    return loss, jnp.mean(jnp.argmax(logits, -1) == y_test)
+    return loss, accuracy(params, x_test, y_test)
 
-  return train_step, evaluate
+  @jax.jit
+  def accuracy(params, x_test, y_test):
+    _, logits = loss_and_logits(params, x_test, y_test)
+    return jnp.mean(jnp.argmax(logits, -1) == y_test)
+
+  return train_step, evaluate, accuracy
 
 
 def train(name, spec, args, data, model, params, progress):
@@ -99,11 +105,11 @@ def train(name, spec, args, data, model, params, progress):
   scaler = policy.loss_scaler(growth_interval=args.growth_interval)
   tx = optax.chain(scaler, optax.adam(args.lr))
   state = jmp_scaler.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  monitor = None
-  if jmp_scaler.find_scale_state(state.opt_state) is not None:
+  monitor = None  # every policy has a scaler; only float16's scale moves
+  if policy.needs_loss_scaling:
     monitor = jmp_scaler.ScaleMonitor.for_state(state.opt_state, window=args.growth_interval)
   init_scale = float(jmp_scaler.get_scale(state.opt_state))
-  train_step, evaluate = make_fns(model, policy)
+  train_step, evaluate, accuracy = make_fns(model, policy)
 
   rng = np.random.default_rng(args.seed)
   per_epoch = len(y_train) // args.batch
@@ -114,7 +120,7 @@ def train(name, spec, args, data, model, params, progress):
   step = train_step.lower(state, x_train, y_train, batches[0]).compile()  # compile, untimed
 
   task = progress.add_task(name, total=args.steps, info="")
-  losses, pending = [], []
+  losses, pending, acc_at, accs, eval_time = [], [], [], [], 0.0
   start = time.perf_counter()
   for i in range(args.steps):
     state, metrics = step(state, x_train, y_train, batches[i])
@@ -122,6 +128,10 @@ def train(name, spec, args, data, model, params, progress):
     if len(pending) == args.log_every or i == args.steps - 1:
       host = jax.device_get(pending)  # one transfer per log_every steps
       losses += [float(m["loss"]) for m in host]
+      t0 = time.perf_counter()  # the test accuracy, not counted in steps/s
+      acc_at.append(i + 1)
+      accs.append(float(accuracy(state.params, x_test, y_test)))
+      eval_time += time.perf_counter() - t0
       if monitor is not None:
         monitor.update(jax.tree.map(lambda *v: np.stack(v), *host))
       info = f"loss {np.mean(losses[-len(host):]):.4f}"
@@ -130,7 +140,7 @@ def train(name, spec, args, data, model, params, progress):
       progress.update(task, advance=len(host), info=info)
       pending = []
   jax.block_until_ready(state)
-  elapsed = time.perf_counter() - start
+  elapsed = time.perf_counter() - start - eval_time
 
   train_loss, accuracy = evaluate(state.params, x_train, y_train, x_test, y_test)
   m = jax.device_get(state.scale_metrics())
@@ -141,9 +151,10 @@ def train(name, spec, args, data, model, params, progress):
       "loss": float(train_loss),
       "accuracy": float(accuracy),
       "steps_per_s": args.steps / elapsed,
-      "skipped": int(m["total_skips"]) if m else 0,
-      "scale": float(m["scale"]) if m else None,
+      "skipped": int(m["total_skips"]) if policy.needs_loss_scaling else None,
+      "scale": float(m["scale"]) if policy.needs_loss_scaling else None,
       "losses": np.asarray(losses),
+      "accuracy_curve": (np.asarray(acc_at), np.asarray(accs)),
       "monitor": monitor,
       "init_scale": init_scale,
   }
@@ -156,15 +167,23 @@ def print_table(console: Console, rows) -> None:
                     ("final scale", "right")):
     table.add_column(col, justify=just)
   for r in rows:
-    scaled = r["scale"] is not None  # bf16 and f32 run without a scaler
+    scaled = r["scale"] is not None  # bf16 and f32: no_scale(), the scale stays 1
     table.add_row(r["name"], r["compute"], f"{r['loss']:.4f}", f"{100 * r['accuracy']:.1f}%",
                   f"{r['steps_per_s']:.0f}", str(r["skipped"]) if scaled else "-",
                   f"{r['scale']:g}" if scaled else "-")
   console.print(table)
 
 
-def plot(rows, out: pathlib.Path, console: Console) -> None:
-  """Loss curves and the fp16 scale history, as PNGs (needs matplotlib)."""
+STYLES = {"f32": dict(ls="-", lw=4, alpha=0.35), "bf16": dict(ls="--", lw=1.8),
+          "fp16": dict(ls=":", lw=2.2)}  # the curves overlap: tell them apart by style
+
+
+def plot(rows, out: pathlib.Path, console: Console, growth_interval: int) -> None:
+  """Loss and test accuracy curves, and the fp16 scale history, as PNGs (needs matplotlib).
+
+  Each PNG records its panels' titles in its metadata ("Title"), for tools
+  and tests that read the file.
+  """
   try:
     import matplotlib
 
@@ -174,16 +193,21 @@ def plot(rows, out: pathlib.Path, console: Console) -> None:
     console.print("matplotlib is not installed: no plots (pip install matplotlib)")
     return
   out.mkdir(parents=True, exist_ok=True)
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, (ax, acc) = plt.subplots(1, 2, figsize=(11, 4))
   for r in rows:
     k = max(1, len(r["losses"]) // 50)
     smooth = np.convolve(r["losses"], np.ones(k) / k, mode="valid")
-    ax.plot(np.arange(len(smooth)) + k, smooth, label=f"{r['name']} ({r['policy']})")
-  ax.set(yscale="log", xlabel="step", ylabel="training loss (moving average)",
-         title="digits: loss per dtype policy")
+    style = STYLES.get(r["name"], {})
+    ax.plot(np.arange(len(smooth)) + k, smooth, label=f"{r['name']} ({r['policy']})", **style)
+    at, accs = r["accuracy_curve"]
+    acc.plot(at, 100 * accs, label=r["name"], **style)
+  titles = ("digits: training loss per dtype policy", "digits: test accuracy per dtype policy")
+  ax.set(yscale="log", xlabel="step", ylabel="training loss (moving average)", title=titles[0])
+  acc.set(xlabel="step", ylabel="test accuracy (%)", title=titles[1])
   ax.legend()
+  acc.legend(loc="lower right")
   fig.tight_layout()
-  fig.savefig(out / "digits_loss.png", dpi=120)
+  fig.savefig(out / "digits_loss.png", dpi=120, metadata={"Title": " | ".join(titles)})
   plt.close(fig)
   monitored = [r for r in rows if r["monitor"] is not None]
   for r in monitored:
@@ -192,11 +216,13 @@ def plot(rows, out: pathlib.Path, console: Console) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.step(h["steps"], before, where="post", label="loss scale")
     ax.plot(h["steps"][h["skipped"]], before[h["skipped"]], "rx", label="skipped (overflow)")
-    ax.set(yscale="log", xlabel="step", ylabel="scale", title=f"{r['name']}: dynamic loss scale")
+    title = (f"{r['name']}: dynamic loss scale, growth_interval={growth_interval} "
+             "(PyTorch's default: 2000)")
+    ax.set(xlabel="step", ylabel="scale", title=title)
     ax.set_yscale("log", base=2)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"digits_scale_{r['name']}.png", dpi=120)
+    fig.savefig(out / f"digits_scale_{r['name']}.png", dpi=120, metadata={"Title": title})
     plt.close(fig)
   console.print(f"plots written to {out}/")
 
@@ -229,7 +255,7 @@ def main(argv=None) -> list[dict]:
   for r in rows:
     if r["monitor"] is not None:
       console.print(f"{r['name']} scale monitor: {r['monitor'].format_summary()}")
-  plot(rows, args.out, console)
+  plot(rows, args.out, console, args.growth_interval)
   return rows
 
 

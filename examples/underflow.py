@@ -10,7 +10,11 @@ barely learns. Scaling the loss by 2^16 lifts them back into float16's range.
 
 First, ``jmp_scaler.underflow_report`` on the float32 gradients of the
 weighted term predicts it (``perturbations/recon`` is the gradient at the
-head's output, which the float16 backward pass casts first). Then three runs:
+head's output, which the float16 backward pass casts first). The report's
+advice reads only the tree it is given: on the aux term alone, its largest
+safe scale ignores the main term, whose gradients are far larger. So the
+second report takes the whole loss's gradients, the ones the backward pass
+holds, at the scaler's initial scale of 2^16. Then three runs:
 float32, float16 without scaling (``jmp_scaler.no_scale()``), and float16
 with ``jmp_scaler.dynamic_scale()``.
 
@@ -61,11 +65,12 @@ def train(policy, scaler, params, data, args):
 
   @jax.jit
   def step(state, idx):
-    def scaled(p):
+    def loss_fn(p):
       main, aux = losses({"params": p}, x[idx], y[idx], policy)
-      return (main + args.aux_weight * aux) * jmp_scaler.get_scale(state.opt_state), aux
+      return main + args.aux_weight * aux, aux
 
-    grads, aux = jax.grad(scaled, has_aux=True)(state.params)
+    # Gradients of the loss times the scale; the aux loss passes through untouched.
+    (_, aux), grads = jmp_scaler.value_and_grad(loss_fn, state, has_aux=True)(state.params)
     zero = jnp.mean(grads["aux"]["kernel"] == 0)  # flushed in the real backward pass
     return state.apply_gradients(grads=grads), (aux, zero)
 
@@ -95,15 +100,29 @@ def main(argv=None) -> dict[str, dict[str, float]]:
   variables = jax.jit(Net().init)(jax.random.key(args.seed), x)
   f32 = jmp_scaler.get_policy("f32")
 
-  # 1. Predict: the float32 gradients of the weighted term, cast to float16 at two scales.
+  # 1. Predict: the float32 gradients of the weighted term, cast to float16 unscaled.
   grads = jax.jit(jax.grad(lambda v: args.aux_weight * losses(v, x, y, f32)[1]))(variables)
   grads = {"params": {"aux": grads["params"]["aux"]}, "perturbations": grads["perturbations"]}
-  for scale in (1.0, 2.0**16):
-    print(f"underflow_report of the aux term's gradients at scale {scale:g}:")
-    print(jmp_scaler.underflow_report(grads, scale=scale, dtype=jnp.float16))
-    print()
+  aux_only = jmp_scaler.underflow_report(grads, scale=1.0, dtype=jnp.float16)
+  print("underflow_report of the aux term's gradients at scale 1:")
+  print(aux_only)
+  print(f"That advice sees only the aux term: {aux_only.best_scale():.3g} would overflow the "
+        "main term's\ngradients. Ask about the whole loss's gradients, at the scaler's "
+        "initial scale:\n")
+  # 2. The whole loss (main + weighted aux), every leaf the float16 backward pass holds.
+  def total(v):
+    main, aux = losses(v, x, y, f32)
+    return main + args.aux_weight * aux
 
-  # 2. Train: float32, float16 unscaled, float16 with dynamic scaling.
+  whole = jax.jit(jax.grad(total))(variables)
+  report = jmp_scaler.underflow_report(whole, scale=2.0**16, dtype=jnp.float16)
+  print("underflow_report of the whole loss's gradients at scale 65536:")
+  print(report)
+  print(f"The largest scale that keeps every gradient of the loss finite is "
+        f"{report.best_scale():.3g},\nnot {aux_only.best_scale():.3g}; "
+        "dynamic_scale finds it by itself (it grows until an overflow).\n")
+
+  # 3. Train: float32, float16 unscaled, float16 with dynamic scaling.
   fp16 = jmp_scaler.get_policy("p=f32,c=f16,o=f32")
   runs = {"f32": (f32, optax.identity()), "fp16 no_scale": (fp16, jmp_scaler.no_scale()),
           "fp16 dynamic": (fp16, jmp_scaler.dynamic_scale())}
