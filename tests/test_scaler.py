@@ -256,11 +256,15 @@ def test_one_bad_element_anywhere_in_a_large_leaf_is_caught(size, where, bad, dt
   g = np.ones(size, np.float32)
   g[int(where * size)] = bad
   state = jmp_scaler.dynamic_scale().init(None)
-  for by_sum in (True, False):  # both reductions (one device / several devices)
+  for by_sum, check in _CHECKS.items():  # both reductions (one device / several devices)
     with unittest.mock.patch.object(_scaler_module, "_count_by_sum", lambda v=by_sum: v):
-      check = jmp_scaler.all_finite  # eager: a jit cache would keep the first reduction
       assert not bool(check({"g": jnp.asarray(g, dtype)}, state))
       assert bool(check({"g": jnp.ones(size, dtype)}, state))
+
+
+# One jitted check per reduction, each with its own cache (traced under its own patch):
+# a shape compiles once per reduction, not once per eager op and example.
+_CHECKS = {by_sum: jax.jit(lambda g, s: jmp_scaler.all_finite(g, s)) for by_sum in (True, False)}
 
 
 @pytest.mark.parametrize("by_sum", [True, False])
