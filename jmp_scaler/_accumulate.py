@@ -21,7 +21,14 @@ import optax
 from jmp_scaler import _validation as validation
 from jmp_scaler._leaves import is_floating, math_dtype
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
-from jmp_scaler._scaler import FINITE_KEY, LossScaleState, all_finite, next_state, no_scale
+from jmp_scaler._scaler import (
+    FINITE_KEY,
+    LossScaleState,
+    _reciprocal,
+    all_finite,
+    next_state,
+    no_scale,
+)
 from jmp_scaler._skip import guarded
 
 _MODES = ("drop_micro_batch", "skip_window")
@@ -82,7 +89,7 @@ def accumulate_gradients(
 
   Each call takes the gradients of one micro-batch's *scaled* loss, decides
   whether they are finite (one read, reduced over the scaler's ``axis_name``)
-  and adds ``grads * (1 / scale)`` in float32 to a running sum. The scale does
+  and adds ``grads / scale`` in float32 to a running sum. The scale does
   not change inside a window. On the ``every_k``-th call the window closes::
 
     n = number of finite micro-batches in the window
@@ -161,12 +168,13 @@ def accumulate_gradients(
     scaler = find_scale_state(state.inner_state)
     ref = scaler if scaler is not None else no_scale().init(None)
     finite = all_finite(updates, ref) if decided is None else jnp.asarray(decided, jnp.bool_)
-    inv = 1.0 / ref.scale
+    pre, inv = _reciprocal(ref.scale)  # two normal factors: exact up to the largest scale
 
     def add(s, g):
       if not is_floating(g):
         return s
-      return jnp.where(finite, s + g.astype(s.dtype) * inv.astype(s.dtype), s)
+      u = (g.astype(s.dtype) * pre.astype(s.dtype)) * inv.astype(s.dtype)
+      return jnp.where(finite, s + u, s)
 
     grad_sum = jax.tree.map(add, state.grad_sum, updates)
     mini_step = state.mini_step + 1

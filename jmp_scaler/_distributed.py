@@ -43,8 +43,14 @@ def match_varying(x: jax.Array, like: Any) -> jax.Array:
   """``x`` cast to ``like``'s dtype and marked varying along ``like``'s varying axes.
 
   The two branches of a ``lax.cond`` inside ``shard_map`` must agree on both.
+  Any state leaf optax allows is accepted: a Python number becomes an array of
+  ``like``'s dtype, a PRNG key array is kept as it is (keys cannot be cast).
   """
-  x = x.astype(like.dtype)
+  if not isinstance(x, jax.Array) or x.dtype != like.dtype:
+    if jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key):
+      x = jnp.asarray(x)
+    else:
+      x = jnp.asarray(x, like.dtype)
   missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
   if not missing:
     return x

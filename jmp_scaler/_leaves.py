@@ -29,3 +29,14 @@ def math_dtype(dtype: Any) -> np.dtype:
 def floating_leaves(tree: Any) -> list[jax.Array]:
   """The non-empty leaves of ``tree`` that :func:`is_floating` accepts."""
   return [x for x in jax.tree.leaves(tree) if is_floating(x) and x.size]
+
+
+def real_parts(x: jax.Array) -> jax.Array:
+  """A complex array as its real and imaginary parts (a new leading axis of 2); others as is.
+
+  For per-element statistics (magnitudes, underflow) that a complex number
+  has twice: each part is scaled, cast and rounded on its own.
+  """
+  if jnp.iscomplexobj(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)])
+  return x

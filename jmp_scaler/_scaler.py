@@ -8,6 +8,7 @@ so switching modes changes neither checkpoints nor compiled shapes.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -18,11 +19,11 @@ import optax
 from flax import struct
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import is_floating, math_dtype
+from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype
 
 _F32 = validation.F32
 #: Default lower bound of the scale: the smallest normal float32, so ``1/scale``
-#: stays finite. The scale may go below 1 (TF's floor of 1 stalled keras#16100).
+#: stays finite. The scale may go below 1 (a floor of 1 can stall training: docs).
 DEFAULT_MIN_SCALE = float(_F32.tiny)
 #: Default upper bound of the scale: the largest float32 (PyTorch has no bound;
 #: like PyTorch, a growth whose result is not finite is refused).
@@ -86,6 +87,17 @@ class LossScaleState(NamedTuple):
 
 SKIP_MODES = ("auto", "cond", "select")
 
+#: Warned once per scaler, on its first update, when no exact-skip wrapper
+#: handed it a decision (``bare=True`` says that this is intended).
+BARE_WARNING = (
+    "the loss scaler is used bare (no jmp_scaler.NNXOptimizer, jmp_scaler.TrainState, "
+    "jmp_scaler.skip_nonfinite or jmp_scaler.accumulate_gradients around the chain): on an "
+    "overflow the rest of the chain still runs on zero gradients, so e.g. Adam's count and "
+    "moments move and the step is not skipped exactly. Use one of those wrappers (a plain "
+    "nnx.Optimizer is bare: use jmp_scaler.NNXOptimizer), or pass bare=True to the scaler's "
+    "factory if that is intended."
+)
+
 
 # --------------------------------------------------------------------------
 # The factories.
@@ -102,9 +114,14 @@ def _transformation(
     hysteresis: int,
     axis_name: Hashable | None,
     skip_mode: str,
+    bare: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  """Builds the transformation from validated values."""
+  """Builds the transformation from validated values (and checks ``bare``)."""
+  if not isinstance(bare, bool | np.bool_):
+    raise ValueError(f"bare must be True or False, got {bare!r}")
+  bare = bool(bare)
   validation.warn_on_fast_math(stacklevel=4)
+  warned = []
 
   def init_fn(params):
     del params
@@ -132,7 +149,11 @@ def _transformation(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params
+    refuse_partial_updates(updates)
     decided = extra_args.get(FINITE_KEY)
+    if decided is None and not bare and not warned:
+      warned.append(True)
+      warnings.warn(BARE_WARNING, UserWarning, stacklevel=3)
     finite = all_finite(updates, state) if decided is None else decided
     unscaled = unscale(updates, state.scale)
     if decided is not True:
@@ -158,6 +179,7 @@ def dynamic_scale(
     hysteresis: int = 1,
     axis_name: Hashable | None = None,
     skip_mode: str = "auto",
+    bare: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling, step for step PyTorch's ``torch.amp.GradScaler``.
 
@@ -178,15 +200,16 @@ def dynamic_scale(
         growth_tracker = 0; hysteresis_tracker = hysteresis
 
   With the defaults (``hysteresis=1``, bounds at the edges of float32) this is
-  exactly GradScaler's ``_amp_update_scale_`` rule. flax's ``DynamicScale``
-  grows one step later; jmp drops ``min_loss_scale`` under jit.
+  exactly GradScaler's ``_amp_update_scale_`` rule (``docs/migration.md``
+  compares it with the other scalers).
 
   For an exact skip (parameters and every downstream optimizer state
   bit-identical on an overflow) apply the chain through
   :class:`jmp_scaler.TrainState` or wrap it with
   :func:`jmp_scaler.skip_nonfinite`. Used bare in a plain ``optax`` loop the
   scaler hands zeros to the rest of the chain on an overflow: no inf or NaN
-  reaches its state, but e.g. Adam's moments decay and its count advances.
+  reaches its state, but e.g. Adam's moments decay and its count advances;
+  its first update then warns, unless ``bare=True`` says that this is intended.
 
   Args:
     init_scale: initial scale; positive and finite in float32.
@@ -208,6 +231,9 @@ def dynamic_scale(
       ``jnp.where`` (no branch, so no predicate for the host to read: GPU),
       ``"auto"`` picks ``"select"`` on GPU and ``"cond"`` elsewhere, when the
       step is traced. The results are bit-identical.
+    bare: say that the scaler is used bare on purpose (a plain ``tx.update``
+      or ``nnx.Optimizer``, no exact-skip wrapper): silences the warning that
+      its first bare update gives otherwise. Static configuration, not state.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -257,15 +283,20 @@ def dynamic_scale(
       hysteresis=validation.integer("hysteresis", hysteresis, 1),
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
+      bare=bare,
   )
 
 
 def fixed_scale(
-    scale: float, *, axis_name: Hashable | None = None, skip_mode: str = "auto"
+    scale: float,
+    *,
+    axis_name: Hashable | None = None,
+    skip_mode: str = "auto",
+    bare: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """A constant loss scale, with the same state as :func:`dynamic_scale`.
 
-  The article's debugging habit: fix a small scale and compare. Gradients are
+  For debugging, fix a small scale and compare with the dynamic run. Gradients are
   divided by ``scale`` and non-finite steps are still skipped (and counted),
   but the scale never changes. The state has the same structure and dtypes
   as :func:`dynamic_scale`'s, so checkpoints and compiled steps are shared.
@@ -274,6 +305,7 @@ def fixed_scale(
     scale: the constant scale; positive and finite in float32.
     axis_name: as in :func:`dynamic_scale`.
     skip_mode: as in :func:`dynamic_scale`.
+    bare: as in :func:`dynamic_scale`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -290,42 +322,68 @@ def fixed_scale(
       hysteresis=1,
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
+      bare=bare,
   )
 
 
 def no_scale(
-    *, axis_name: Hashable | None = None, skip_mode: str = "auto"
+    *, axis_name: Hashable | None = None, skip_mode: str = "auto", bare: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling turned off (PyTorch's ``GradScaler(enabled=False)``).
 
   ``fixed_scale(1.0)``: the loss is not scaled, but non-finite steps are still
   skipped and counted, and the state matches :func:`dynamic_scale`'s.
   """
-  return fixed_scale(1.0, axis_name=axis_name, skip_mode=skip_mode)
+  return fixed_scale(1.0, axis_name=axis_name, skip_mode=skip_mode, bare=bare)
 
 
 # --------------------------------------------------------------------------
 # The pieces of the update, shared with TrainState and skip_nonfinite.
 
+#: Leaves from this many elements are checked with ``sum(u - u)`` on a single
+#: CPU device, smaller ones with ``all(isfinite(u))`` (see :func:`all_finite`).
+SUM_FROM_SIZE = 2**19
+
+
+def _reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(pre, inv)`` with ``g * pre * inv == g * (1 / scale)`` and both factors normal.
+
+  Above ``2**126`` the reciprocal of a float32 scale is subnormal, and
+  XLA:CPU flushes it to zero (it also rewrites ``g / scale`` into
+  ``g * (1 / scale)``): every gradient would become 0. Above ``2**63`` the
+  scale is split into ``2**64 * (scale / 2**64)``; both factors are powers of
+  two times a normal reciprocal, so the product is the same correctly rounded
+  ``g * (1 / scale)`` (for a power-of-two scale: exactly ``g / scale``).
+  """
+  big = scale > 2.0**63
+  pre = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+  return pre, 1.0 / (scale * pre)
+
+
+def _unscale_leaf(g: jax.Array, pre: jax.Array, inv: jax.Array) -> jax.Array:
+  m = math_dtype(g.dtype)
+  return ((g.astype(m) * pre.astype(m)) * inv.astype(m)).astype(g.dtype)
+
 
 def unscale(grads: Any, scale: jax.Array) -> Any:
-  """Divides every floating leaf by ``scale`` (in float32), keeping its dtype."""
-  inv = 1.0 / scale
+  """Divides every floating (or complex) leaf by ``scale`` in at least float32, keeping its dtype.
 
-  def one(g):
-    if not is_floating(g):
-      return g
-    return (g.astype(math_dtype(g.dtype)) * inv).astype(g.dtype)
-
-  return jax.tree.map(one, grads)
+  Exact for every scale in ``[min_scale, max_scale]``, up to the largest
+  float32: the reciprocal is taken in two normal factors (a plain ``1 / scale``
+  is subnormal above ``2**126``, and XLA:CPU flushes it to zero).
+  """
+  pre, inv = _reciprocal(jnp.asarray(scale, jnp.float32))
+  return jax.tree.map(lambda g: _unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
 
 
 def _count_by_sum() -> bool:
-  """Whether to reduce with ``sum(u - u)`` rather than ``all(isfinite(u))``.
+  """Whether large leaves may be reduced with ``sum(u - u)`` rather than ``all(isfinite(u))``.
 
-  On XLA:CPU with one device the float add-reduction is the fast path (an
-  ``isfinite`` and-reduction materialises a boolean array first: x1.1-1.3 per
-  step on a 4x1024 MLP, see BENCHMARKS.md). With several devices the
+  On XLA:CPU with one device the float add-reduction is the fast path for
+  large leaves (an ``isfinite`` and-reduction materialises a boolean array
+  first: x1.1-1.3 per step on a 4x1024 MLP, see BENCHMARKS.md); below
+  :data:`SUM_FROM_SIZE` elements it costs more than it saves (XLA:CPU makes a
+  transposed copy of the gradient for it). With several devices the
   gradients may be sharded, and XLA then folds the decision's float
   all-reduces into the gradients' own, splitting them into several; the
   boolean reduction stays one scalar all-reduce of its own. Both are exact.
@@ -333,34 +391,67 @@ def _count_by_sum() -> bool:
   return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
+def _leaf_finite(g: jax.Array, pre: jax.Array, inv: jax.Array, by_sum: bool) -> jax.Array:
+  u = _unscale_leaf(g, pre, inv)
+  if by_sum and u.size >= SUM_FROM_SIZE:
+    return jnp.logical_not(jnp.isnan(jnp.sum(u - u)))
+  return jnp.all(jnp.isfinite(u))
+
+
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   """Whether every floating leaf of ``grads / state.scale`` is finite.
 
-  One read of the gradients: the unscaling multiply is fused into one
-  reduction per leaf, so the unscaled tree is never materialised, and an
-  overflow of the unscaling itself (a float16 gradient divided by a scale
-  below 1) counts as non-finite. Non-floating leaves and ``None`` are
-  ignored. With ``state.config.axis_name`` set, the decision is reduced over
-  those mapped axes: every device returns the same value.
+  One read of the gradients: the unscaling is fused into one reduction per
+  leaf, so the unscaled tree is never materialised, and an overflow of the
+  unscaling itself (a float16 gradient divided by a scale below 1) counts as
+  non-finite. Complex leaves count as non-finite when either part is.
+  Non-floating leaves and ``None`` are ignored. With
+  ``state.config.axis_name`` set, the decision is reduced over those mapped
+  axes: every device returns the same value.
 
-  The per-leaf reduction is ``all(isfinite(u))``, or, on a single CPU device
-  where it is faster, ``sum(u - u)``: 0 for finite ``u``, NaN for inf or NaN,
-  and a float sum propagates NaN (a max-reduction would not: XLA:CPU's drops
-  NaN from 4096 elements up). Neither survives fast-math flags, which let
-  XLA assume that no inf or NaN exists (:func:`dynamic_scale` warns).
+  The per-leaf reduction is ``all(isfinite(u))``, or, for leaves of
+  :data:`SUM_FROM_SIZE` elements and more on a single CPU device, where it is
+  faster, ``sum(u - u)``: 0 for finite ``u``, NaN for inf or NaN, and a float
+  sum propagates NaN (a max-reduction would not: XLA:CPU's drops NaN from
+  4096 elements up). The per-leaf flags are combined by one ``min``-reduction
+  over an int32 vector, which XLA keeps as one materialised value: combined
+  as ``all(stack(flags))`` (or a sum of partial sums) XLA rewrites them into
+  a chain of scalar ops and copies that chain into every kernel that reads
+  the decision, so compile time grew with the square of the leaf count
+  (BENCHMARKS.md, "Leaf-count sweep"). Neither reduction survives fast-math
+  flags, which let XLA assume that no inf or NaN exists
+  (:func:`dynamic_scale` warns).
   """
-  unscaled = unscale(grads, state.scale)
-  leaves = [u for u in jax.tree.leaves(unscaled) if is_floating(u) and u.size]
-  if _count_by_sum():
-    flags = [~jnp.isnan(jnp.sum(u - u)) for u in leaves]
+  by_sum = _count_by_sum()
+  pre, inv = _reciprocal(state.scale)
+  flags = [_leaf_finite(g, pre, inv, by_sum) for g in floating_leaves(grads)]
+  if flags:
+    finite = jnp.min(jnp.stack(flags).astype(jnp.int32)) > 0
   else:
-    flags = [jnp.all(jnp.isfinite(u)) for u in leaves]
-  finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+    finite = jnp.asarray(True)
   axes = state.config.axis_name
   if axes is not None:
     bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes)
     finite = bad == 0
   return finite
+
+
+def refuse_partial_updates(updates: Any) -> None:
+  """Raises if the scaler receives only part of the gradients (``optax.MaskedNode`` leaves).
+
+  Inside one branch of ``optax.multi_transform`` (or under ``optax.masked``)
+  the scaler would unscale its own parameters only: the others would reach
+  their optimizer still multiplied by the scale.
+  """
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+  if any(is_masked(x) for x in jax.tree.leaves(updates, is_leaf=is_masked)):
+    raise ValueError(
+        "the loss scaler receives only part of the gradients (it sits inside "
+        "optax.multi_transform, optax.partition or optax.masked), so the other parameters "
+        "would be updated with gradients still multiplied by the loss scale. Put the scaler "
+        "at the head of the whole chain: optax.chain(jmp_scaler.dynamic_scale(), "
+        "optax.multi_transform(...))"
+    )
 
 
 def next_state(state: LossScaleState, finite: jax.Array) -> LossScaleState:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import optax
 
@@ -56,22 +57,31 @@ def guarded(
   """``apply(True)`` if ``finite`` else ``skip(shapes)``, without a host sync.
 
   ``apply(decision)`` runs the chain, handing ``decision`` to the scaler so
-  that it does not read the gradients again; ``skip`` receives the shapes of
-  ``apply``'s outputs, and its outputs are made to match them: the dtypes (an
-  inner transformation may change a state leaf's dtype on its first update,
-  as Adam's moments of an integer leaf do) and, inside ``shard_map``, the
-  mesh axes along which they vary. In ``"cond"`` mode (also without a
-  scaler) a ``lax.cond`` runs one of the two; in ``"select"`` mode both run
-  and ``jnp.where`` keeps one, leaf by leaf: bit-identical results either way.
+  that it does not read the gradients again; it is always called with
+  ``True`` (in ``"select"`` mode too: the outer ``jnp.where`` discards a bad
+  step, so the scaler need not mask every gradient), and traced once: its
+  jaxpr gives the shapes and is then evaluated in place. ``skip`` receives
+  the shapes of ``apply``'s outputs, and its outputs are made to match them:
+  the dtypes (an inner transformation may change a state leaf's dtype on its
+  first update, as Adam's moments of an integer leaf do; a Python number or
+  a PRNG key in the state becomes an array of its type) and, inside
+  ``shard_map``, the mesh axes along which they vary. In ``"cond"`` mode
+  (also without a scaler) a ``lax.cond`` runs one of the two; in
+  ``"select"`` mode both run and ``jnp.where`` keeps one, leaf by leaf.
   """
-  shapes = jax.eval_shape(apply, True)
+  closed, shapes = jax.make_jaxpr(lambda: apply(True), return_shape=True)()
+  treedef = jax.tree.structure(shapes)
+  run = jax.extend.core.jaxpr_as_fun(closed)
+
+  def applied():
+    return jax.tree.unflatten(treedef, run())
 
   def skip_typed():
     return jax.tree.map(match_varying, skip(shapes), shapes)
 
   if scaler is None or uses_cond(scaler):
-    return jax.lax.cond(finite, lambda: apply(True), skip_typed)
-  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), apply(finite), skip_typed())
+    return jax.lax.cond(finite, applied, skip_typed)
+  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), applied(), skip_typed())
 
 
 def skip_nonfinite(

@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from jmp_scaler._diagnostics import _floating_leaves, _maybe, _pct, _per_leaf
+from jmp_scaler._leaves import real_parts
 from jmp_scaler._policy import _canonical
 
 # frexp exponents of finite nonzero float32 magnitudes: |x| in [2^(e-1), 2^e).
@@ -35,7 +36,8 @@ class UnderflowReport(struct.PyTreeNode):
   Attributes:
     zero, subnormal, overflow: int32 ``[n_leaves]``, elements that would
       flush to zero, become subnormal (fewer significant bits), become inf.
-    nonzero: int32 ``[n_leaves]``, finite nonzero elements.
+    nonzero: int32 ``[n_leaves]``, finite nonzero elements (a complex
+      leaf's real and imaginary parts count as two elements).
     max_abs: float32 ``[n_leaves]``, largest finite magnitude.
     hist: int32 ``[278]``, the tree's finite nonzero elements by binade:
       bin ``i`` counts magnitudes in ``[2^(i-150), 2^(i-149))``.
@@ -181,6 +183,7 @@ def underflow_report(
 @functools.partial(jax.jit, static_argnums=3)
 def _classify(leaves, s, when, d):
   def stats(x):
+    x = real_parts(x)  # a complex leaf: each part is cast on its own
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     live = jnp.isfinite(x) & (x != 0)
     r = jnp.abs((x * s).astype(d))

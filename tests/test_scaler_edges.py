@@ -1,0 +1,265 @@
+"""The scaler at its edges (issue 9): eager calls with any state leaf, the top of the
+scale range, complex gradients, partial layouts, bare use, and cond == select."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jmp_scaler._accumulate import accumulate_gradients
+from jmp_scaler._diagnostics import nonfinite_report
+from jmp_scaler._lookup import get_scale
+from jmp_scaler._nnx import NNXOptimizer
+from jmp_scaler._scaler import dynamic_scale, fixed_scale, no_scale, unscale
+from jmp_scaler._skip import skip_nonfinite
+from jmp_scaler._train_state import TrainState
+from jmp_scaler._underflow import underflow_report
+
+
+def _odd_state(value):
+  """A transformation whose state is ``{"foo": value}`` (a Python number, None, ...)."""
+  return optax.GradientTransformation(lambda p: {"foo": value}, lambda u, s, p=None: (u, s))
+
+
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+# --- 9.1: any state leaf optax allows, eagerly and under jit ---------------------------
+
+
+ODD = {
+    "add_noise": lambda: optax.add_noise(0.01, 0.55, 0),  # a typed PRNG key in the state
+    "python_int": lambda: _odd_state(1),
+    "python_float": lambda: _odd_state(0.5),
+    "none": lambda: _odd_state(None),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("odd", sorted(ODD))
+@pytest.mark.parametrize("wrapper", ["skip_nonfinite", "train_state", "accumulate"])
+def test_wrappers_accept_any_state_leaf(wrapper, odd, jit):
+  tx = optax.chain(no_scale(), ODD[odd](), optax.sgd(1.0))
+  params = {"w": jnp.ones(3)}
+  good, bad = {"w": jnp.full(3, 0.5)}, {"w": jnp.array([0.5, jnp.nan, 0.5])}
+  maybe_jit = jax.jit if jit else (lambda f: f)
+  if wrapper == "train_state":
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = maybe_jit(lambda s, g: s.apply_gradients(grads=g))
+    state = step(state, good)
+    assert int(state.step) == 1 and float(state.params["w"][0]) < 1.0
+    kept = state.params
+    state = step(state, bad)
+    assert int(state.step) == 1 and _bits(state.params) == _bits(kept)
+    return
+  t = skip_nonfinite(tx) if wrapper == "skip_nonfinite" else accumulate_gradients(tx, every_k=1)
+  state = t.init(params)
+  step = maybe_jit(t.update)
+  updates, state = step(good, state, params)
+  assert float(updates["w"][0]) < 0.0
+  updates, state = step(bad, state, params)
+  assert np.all(np.signbit(updates["w"])) and not np.any(updates["w"])
+  assert int(get_scale(state)) == 1
+
+
+# --- 9.3: every scale unscales correctly --------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_top_of_the_scale_range_unscales_exactly(jit):
+  exponents = np.arange(-126, 128, 9).tolist() + [126, 127]
+  true = jnp.array([1.5, -1.25, 1.0], jnp.float32)  # normal at every scale
+  fn = jax.jit(unscale) if jit else unscale
+  for e in exponents:
+    scale = jnp.asarray(2.0**e, jnp.float32)
+    got = fn(true * scale, scale)
+    np.testing.assert_array_equal(got, true, err_msg=f"scale 2^{e}")
+
+
+@pytest.mark.parametrize("wrapper", ["train_state", "accumulate", "bare"])
+def test_a_step_at_scale_2_to_127_applies_the_true_gradient(wrapper):
+  true = {"w": jnp.array([0.5, -0.25])}
+  params = {"w": jnp.zeros(2)}
+  tx = optax.chain(dynamic_scale(2.0**127, bare=True), optax.sgd(1.0))
+  scaled = jax.tree.map(lambda g: g * 2.0**127, true)
+  if wrapper == "train_state":
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, scaled).params
+  else:
+    t = accumulate_gradients(tx, every_k=1) if wrapper == "accumulate" else tx
+    updates, _ = jax.jit(t.update)(scaled, t.init(params), params)
+    new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(new["w"], -true["w"])
+
+
+# --- 9.4: complex gradients -------------------------------------------------------------
+
+
+def test_complex_gradients_are_unscaled_and_checked():
+  tx = skip_nonfinite(optax.chain(dynamic_scale(1024.0), optax.sgd(1.0)))
+  params = {"w": jnp.zeros(2, jnp.complex64)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  updates, state = step({"w": jnp.array([1024 + 0j, 2048j], jnp.complex64)}, state, params)
+  np.testing.assert_array_equal(updates["w"], np.array([-1 + 0j, -2j], np.complex64))
+  for bad in (complex(0, np.nan), complex(np.inf, 0)):
+    updates, state = step({"w": jnp.array([1024 + 0j, bad], jnp.complex64)}, state, params)
+    assert bool(state[0].skipped), bad
+    assert not np.any(updates["w"])
+
+
+def test_accumulation_unscales_and_drops_complex_micro_batches():
+  tx = accumulate_gradients(optax.chain(fixed_scale(4.0), optax.sgd(1.0)), every_k=2)
+  params = jnp.zeros(1, jnp.complex64)
+  state = tx.init(params)
+  _, state = tx.update(jnp.array([4 + 8j], jnp.complex64), state, params)
+  updates, state = tx.update(jnp.array([complex(1, np.nan)], jnp.complex64), state, params)
+  np.testing.assert_array_equal(updates, np.array([-1 - 2j], np.complex64))  # mean of one
+  assert int(state.dropped) == 1
+
+
+def test_reports_see_both_parts_of_complex_leaves():
+  grads = {"c": jnp.array([1 + 1j, complex(1, np.nan), complex(np.inf, 1)], jnp.complex64)}
+  report = nonfinite_report(grads)
+  assert report.culprits()[0].nan == 1 and report.culprits()[0].inf == 1
+  tiny = {"c": jnp.array([1e-9j, 1.0 + 0j], jnp.complex64)}  # 1e-9 flushes in float16
+  u = underflow_report(tiny, scale=1.0)
+  assert int(u.zero[0]) == 1 and int(u.nonzero[0]) == 2
+  assert float(u.max_abs[0]) == 1.0
+
+
+# --- 9.6: a scaler that sees only part of the gradients ----------------------------------
+
+
+def _split_chain(scaler_inside: bool):
+  labels = {"a": "scaled", "b": "plain"}
+  branch = optax.chain(dynamic_scale(), optax.sgd(0.1)) if scaler_inside else optax.sgd(0.1)
+  inner = optax.multi_transform({"scaled": branch, "plain": optax.sgd(0.1)}, labels)
+  return inner if scaler_inside else optax.chain(dynamic_scale(), inner)
+
+
+@pytest.mark.parametrize("wrapper", ["bare", "skip_nonfinite", "train_state"])
+def test_a_scaler_in_one_branch_of_multi_transform_is_refused(wrapper):
+  tx = _split_chain(scaler_inside=True)
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  grads = {"a": jnp.full(2, 2.0**16), "b": jnp.full(2, 2.0**16)}
+  with pytest.raises(ValueError, match="head of the whole chain"):
+    if wrapper == "train_state":
+      TrainState.create(apply_fn=None, params=params, tx=tx).apply_gradients(grads=grads)
+    else:
+      t = skip_nonfinite(tx) if wrapper == "skip_nonfinite" else tx
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.update(grads, t.init(params), params)
+
+
+def test_masked_scaler_is_refused_and_the_head_of_the_chain_is_not():
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  grads = {"a": jnp.full(2, 2.0**16), "b": jnp.full(2, 2.0**16)}
+  masked = optax.masked(dynamic_scale(bare=True), {"a": True, "b": False})
+  with pytest.raises(ValueError, match="optax.masked"):
+    masked.update(grads, masked.init(params), params)
+  tx = skip_nonfinite(_split_chain(scaler_inside=False))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["a"], -0.1 * np.ones(2))
+  np.testing.assert_allclose(updates["b"], -0.1 * np.ones(2))
+
+
+# --- 9.7: bare use warns once, unless said to be intended --------------------------------
+
+
+def _bare_warnings(fn):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn()
+  return [w for w in caught if "used bare" in str(w.message)]
+
+
+def test_bare_chain_warns_once_naming_the_wrappers():
+  tx = optax.chain(dynamic_scale(), optax.adam(1e-3))
+  params = jnp.ones(2)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  caught = _bare_warnings(lambda: step(jnp.ones(2), state, params))
+  assert len(caught) == 1
+  message = str(caught[0].message)
+  for name in ("NNXOptimizer", "TrainState", "skip_nonfinite", "bare=True"):
+    assert name in message
+  assert not _bare_warnings(lambda: tx.update(jnp.ones(2), state, params))  # once
+
+
+@pytest.mark.parametrize("use", ["bare=True", "skip_nonfinite", "train_state", "accumulate"])
+def test_no_bare_warning_when_intended_or_wrapped(use):
+  scaler = dynamic_scale(bare=True) if use == "bare=True" else dynamic_scale()
+  tx = optax.chain(scaler, optax.adam(1e-3))
+  params = jnp.ones(2)
+
+  def run():
+    if use == "train_state":
+      TrainState.create(apply_fn=None, params=params, tx=tx).apply_gradients(grads=params)
+      return
+    t = {"skip_nonfinite": skip_nonfinite, "accumulate": lambda x: accumulate_gradients(x, 1)}
+    t = t.get(use, lambda x: x)(tx)
+    t.update(params, t.init(params), params)
+
+  assert not _bare_warnings(run)
+
+
+def test_plain_nnx_optimizer_warns_and_nnx_optimizer_does_not():
+  def update(cls):
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = cls(model, optax.chain(dynamic_scale(), optax.adam(1e-3)), wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(model)
+    opt.update(model, grads)
+
+  assert len(_bare_warnings(lambda: update(nnx.Optimizer))) == 1
+  assert not _bare_warnings(lambda: update(NNXOptimizer))
+
+
+def test_bare_must_be_a_bool():
+  with pytest.raises(ValueError, match="bare must be True or False, got 'yes'"):
+    dynamic_scale(bare="yes")
+  with pytest.raises(ValueError, match="bare"):
+    no_scale(bare=1)
+
+
+# --- what cond and select share bit for bit, and what they do not -------------------------
+
+
+def test_cond_and_select_skip_alike_and_agree_to_rounding_with_adam_and_apply_updates():
+  key = jax.random.key(0)
+  params = {f"l{i}": jax.random.normal(jax.random.fold_in(key, i), (33, 17)) for i in range(3)}
+
+  def run(mode):
+    tx = optax.chain(dynamic_scale(2.0**10, growth_interval=2, skip_mode=mode), optax.adam(3e-3))
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    @jax.jit
+    def step(s, i):
+      grads = jax.tree.map(lambda p: jnp.sin(p * (i + 1.0)) * s.loss_scale, s.params)
+      grads["l1"] = jnp.where(i % 4 == 3, grads["l1"].at[0, 0].set(jnp.inf), grads["l1"])
+      return s.apply_gradients(grads=grads)
+
+    history = []
+    for i in range(8):
+      before = state
+      state = step(state, i)
+      skipped = bool(state.opt_state[0].skipped)
+      if skipped:  # a skipped step keeps everything but the scaler, bit for bit
+        assert _bits((state.params, state.opt_state[1], state.step)) == _bits(
+            (before.params, before.opt_state[1], before.step))
+      history.append((skipped, _bits(state.opt_state[0])))
+    return state, history
+
+  (cond, cond_history), (select, select_history) = run("cond"), run("select")
+  assert cond_history == select_history  # same skips, scaler state bit for bit
+  assert [s for s, _ in cond_history] == [False, False, False, True] * 2
+  # Applied steps agree to rounding: XLA:CPU contracts multiply-adds into FMAs as it
+  # fuses, and a conditional's branch fuses differently from a select.
+  for a, b in zip(jax.tree.leaves(cond.params), jax.tree.leaves(select.params), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
