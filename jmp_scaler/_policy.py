@@ -42,8 +42,12 @@ def _canonical(name: str, dtype: Any) -> np.dtype:
   where NumPy would read a 16-byte float); ``None`` is refused (NumPy reads
   it as float64).
   """
+  expected = f"{name} must be a floating dtype (float16, bfloat16, float32 or float64, or "
   if isinstance(dtype, str):
-    return _parse_dtype(dtype, f"{name}={dtype}")
+    try:
+      return _parse_dtype(dtype, f"{name}={dtype}")
+    except ValueError as e:
+      raise ValueError(f"{expected}one of {sorted([*_NAMES, 'half'])}), got {dtype!r}") from e
   if dtype is None:
     raise ValueError(f"{name} must be a floating dtype, got None")
   try:
@@ -51,9 +55,7 @@ def _canonical(name: str, dtype: Any) -> np.dtype:
   except TypeError as e:
     raise ValueError(f"{name} must be a floating dtype, got {dtype!r}") from e
   if d not in _SHORT:
-    raise ValueError(
-        f"{name} must be one of float16, bfloat16, float32 or float64, got {dtype!r}"
-    )
+    raise ValueError(f"{expected}a policy name), got {dtype!r}")
   return d
 
 

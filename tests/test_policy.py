@@ -149,9 +149,9 @@ def test_policy_constructor_reads_the_librarys_own_names(dtypes):
 
 @pytest.mark.parametrize("bad, fragment", [
     ((None, None, None), "param_dtype must be a floating dtype, got None"),
-    ((jnp.float32, "f128", jnp.float32), "unknown dtype 'f128'"),
-    ((jnp.float32, np.float128, jnp.float32), "compute_dtype must be one of"),
-    ((jnp.float32, jnp.int32, jnp.float32), "compute_dtype must be one of"),
+    ((jnp.float32, "f128", jnp.float32), "compute_dtype must be a floating dtype"),
+    ((jnp.float32, np.float128, jnp.float32), "compute_dtype must be a floating dtype"),
+    ((jnp.float32, jnp.int32, jnp.float32), "compute_dtype must be a floating dtype"),
 ])
 def test_policy_constructor_refuses_what_numpy_would_misread(bad, fragment):
   with pytest.raises(ValueError, match=re.escape(fragment)):
