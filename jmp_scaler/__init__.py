@@ -8,6 +8,9 @@ The scaler is an Optax gradient transformation whose state lives in
 
 from jmp_scaler._accumulate import AccumulationState as AccumulationState
 from jmp_scaler._accumulate import accumulate_gradients as accumulate_gradients
+from jmp_scaler._autocast_fn import DEFAULT_RULES as DEFAULT_RULES
+from jmp_scaler._autocast_fn import autocast as autocast
+from jmp_scaler._autocast_fn import full_precision as full_precision
 from jmp_scaler._autocast_linen import LINEN_FLOAT32_MODULES as LINEN_FLOAT32_MODULES
 from jmp_scaler._autocast_linen import autocast_linen as autocast_linen
 from jmp_scaler._autocast_nnx import NNX_FLOAT32_MODULES as NNX_FLOAT32_MODULES
@@ -50,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulationState",
+    "DEFAULT_RULES",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "LINEN_FLOAT32_MODULES",
@@ -65,6 +69,7 @@ __all__ = (
     "UnderflowReport",
     "accumulate_gradients",
     "all_finite",
+    "autocast",
     "autocast_linen",
     "autocast_nnx",
     "check_axis_name",
@@ -73,6 +78,7 @@ __all__ = (
     "dynamic_scale",
     "find_scale_state",
     "fixed_scale",
+    "full_precision",
     "from_bytes",
     "get_policy",
     "get_scale",
