@@ -292,11 +292,12 @@ def main(argv=None):
   ap.add_argument("--hidden", type=int, default=256)
   ap.add_argument("--digits-steps", type=int, default=1500)
   ap.add_argument("--digits-lr", type=float, default=1e-4)
-  ap.add_argument("--gpt-steps", type=int, default=500)
+  ap.add_argument("--gpt-steps", type=int, default=400)
   ap.add_argument("--gpt-lr", type=float, default=1e-4)
   ap.add_argument("--gpt-batch", type=int, default=16)
-  ap.add_argument("--seq", type=int, default=64)
-  ap.add_argument("--d-model", type=int, default=64)
+  ap.add_argument("--seq", type=int, default=32)
+  ap.add_argument("--d-model", type=int, default=32)
+  ap.add_argument("--tasks", default="digits,char-GPT", help="comma-separated subset")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
   args = ap.parse_args(argv)
@@ -315,7 +316,11 @@ def main(argv=None):
   for k, (stored, eff) in micro.items():
     print(f"{k:8}{np.mean(stored):14.4f}{np.std(stored):10.4f}{np.mean(eff):12.4f}")
 
-  tasks = [digits_task(args), gpt_task(args)]
+  makers = {"digits": digits_task, "char-GPT": gpt_task}
+  wanted = args.tasks.split(",")
+  if any(t not in makers for t in wanted):
+    ap.error(f"--tasks must name tasks among {list(makers)}, got {args.tasks!r}")
+  tasks = [makers[t](args) for t in wanted]
   print(f"\n2. final test loss and accuracy, mean +- sd over {args.seeds} seeds")
   print(f"{'task':10}{'setup':7}{'loss':>18}{'accuracy %':>18}{'vs f32 (sd)':>13}")
   print("-" * 66)
