@@ -171,8 +171,9 @@ def jit_scenario(fsdp):
           for b, a in zip(bs, as_, strict=True)),
       "scale_replicated": scaler.scale.sharding.is_fully_replicated,
       "scale_copies_identical": copies_identical(scaler.scale),
-      "params_copies_identical": fsdp or all(copies_identical(a)
-                                             for a in jax.tree.leaves(state.params)),
+      "params_replicated": [a.sharding.is_fully_replicated for a in jax.tree.leaves(state.params)],
+      "params_copies_identical": [copies_identical(a) for a in jax.tree.leaves(state.params)
+                                  if a.sharding.is_fully_replicated],
       "mu_spec": str(mu["w1"].sharding.spec),
       "step": int(state.step),
       "collectives": with_scaler[0],
