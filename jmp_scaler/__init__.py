@@ -8,6 +8,11 @@ The scaler is an Optax gradient transformation whose state lives in
 
 from jmp_scaler._accumulate import AccumulationState as AccumulationState
 from jmp_scaler._accumulate import accumulate_gradients as accumulate_gradients
+from jmp_scaler._adam16 import ScaleByAdamState as ScaleByAdamState
+from jmp_scaler._adam16 import adam as adam
+from jmp_scaler._adam16 import adamw as adamw
+from jmp_scaler._adam16 import low_precision_optimizer as low_precision_optimizer
+from jmp_scaler._adam16 import scale_by_adam as scale_by_adam
 from jmp_scaler._autocast_fn import DEFAULT_RULES as DEFAULT_RULES
 from jmp_scaler._autocast_fn import autocast as autocast
 from jmp_scaler._autocast_fn import full_precision as full_precision
@@ -45,6 +50,11 @@ from jmp_scaler._scaler import fixed_scale as fixed_scale
 from jmp_scaler._scaler import no_scale as no_scale
 from jmp_scaler._scaler import unscale as unscale
 from jmp_scaler._skip import skip_nonfinite as skip_nonfinite
+from jmp_scaler._stochastic import KahanState as KahanState
+from jmp_scaler._stochastic import StochasticRoundState as StochasticRoundState
+from jmp_scaler._stochastic import kahan_summation as kahan_summation
+from jmp_scaler._stochastic import stochastic_cast as stochastic_cast
+from jmp_scaler._stochastic import stochastic_round as stochastic_round
 from jmp_scaler._train_state import TrainState as TrainState
 from jmp_scaler._underflow import UnderflowReport as UnderflowReport
 from jmp_scaler._underflow import underflow_report as underflow_report
@@ -53,21 +63,26 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulationState",
-    "DEFAULT_RULES",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
+    "DEFAULT_RULES",
+    "KahanState",
     "LINEN_FLOAT32_MODULES",
     "LossScaleState",
     "NNXOptimizer",
     "NNX_FLOAT32_MODULES",
     "NonFiniteReport",
     "Policy",
+    "ScaleByAdamState",
     "ScaleConfig",
     "ScaleMonitor",
     "ScaleWarning",
+    "StochasticRoundState",
     "TrainState",
     "UnderflowReport",
     "accumulate_gradients",
+    "adam",
+    "adamw",
     "all_finite",
     "autocast",
     "autocast_linen",
@@ -78,17 +93,22 @@ __all__ = (
     "dynamic_scale",
     "find_scale_state",
     "fixed_scale",
-    "full_precision",
     "from_bytes",
+    "full_precision",
     "get_policy",
     "get_scale",
+    "kahan_summation",
+    "low_precision_optimizer",
     "no_scale",
     "nonfinite_report",
     "restore_checkpoint",
     "save_checkpoint",
+    "scale_by_adam",
     "scale_in_sync",
     "scale_metrics",
     "skip_nonfinite",
+    "stochastic_cast",
+    "stochastic_round",
     "to_bytes",
     "to_scalars",
     "underflow_report",

@@ -18,7 +18,6 @@ import numpy as np
 import optax
 from optax._src import numerics
 
-from jmp_scaler._scaler import dynamic_scale, no_scale
 from jmp_scaler._stochastic import (
   check_seed,
   kahan_summation,
@@ -299,12 +298,8 @@ def low_precision_optimizer(
   ):
     raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
   param_dtype = np.dtype(policy.param_dtype)
-  if policy.needs_loss_scaling:
-    parts = [dynamic_scale(**scaler_kwargs)]
-  elif skip_nonfinite:
-    parts = [no_scale(**scaler_kwargs)]
-  else:
-    parts = []
+  head = policy.needs_loss_scaling or skip_nonfinite
+  parts = [policy.loss_scaler(**scaler_kwargs)] if head else []
   if jnp.finfo(param_dtype).bits >= 32:
     parts.append(optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay))
     return optax.chain(*parts)

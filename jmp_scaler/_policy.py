@@ -146,6 +146,19 @@ class Policy:
     shared = {k: kwargs[k] for k in ("axis_name", "skip_mode") if k in kwargs}
     return no_scale(**shared)
 
+  def optimizer(self, learning_rate: Any, **kwargs: Any) -> optax.GradientTransformation:
+    """The AdamW chain this policy calls for, scaler included.
+
+    :func:`jmp_scaler.low_precision_optimizer` (``self``, ``learning_rate``,
+    ``**kwargs``): float32 master weights get ``optax.adamw`` after
+    :meth:`loss_scaler`; 16-bit parameters (``"p=bf16,c=bf16,o=f32"``) get
+    16-bit Adam moments and a stochastically rounded update (8 bytes per
+    parameter instead of 16; ``docs/bf16.md``).
+    """
+    from jmp_scaler._adam16 import low_precision_optimizer  # _adam16 builds on this module
+
+    return low_precision_optimizer(self, learning_rate, **kwargs)
+
   def __str__(self) -> str:
     dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
     return ",".join(f"{k}={_SHORT.get(d, d.name)}" for k, d in zip("pco", dtypes, strict=True))

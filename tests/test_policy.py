@@ -172,3 +172,15 @@ def test_str_round_trips_and_dtype_objects_are_accepted(spec):
 def test_get_policy_accepts_jnp_dtype_objects():
   assert jmp_scaler.get_policy(jnp.float16) == jmp_scaler.get_policy("f16")
   assert jmp_scaler.get_policy(jnp.bfloat16).compute_dtype == np.dtype(jnp.bfloat16)
+
+
+def test_policy_optimizer_matches_its_param_dtype():
+  params16 = {"w": jnp.ones(3, jnp.bfloat16)}
+  low = jmp_scaler.get_policy("p=bf16,c=bf16,o=f32").optimizer(1e-3)
+  names = [type(s).__name__ for s in low.init(params16)]
+  assert names[0] == "LossScaleState" and names[-1] == "StochasticRoundState"
+  master = jmp_scaler.get_policy("p=f32,c=f16,o=f32").optimizer(1e-3, init_scale=8.0)
+  state = master.init({"w": jnp.ones(3)})
+  assert float(jmp_scaler.get_scale(state)) == 8.0
+  assert "StochasticRoundState" not in [type(s).__name__ for s in jax.tree.leaves(
+      state, is_leaf=lambda x: hasattr(x, "_fields"))]
