@@ -88,14 +88,14 @@ def make_fns(model: MLP, policy: jmp_scaler.Policy):
   def evaluate(params, x_train, y_train, x_test, y_test):
     """Loss on the training set, accuracy on the test set."""
     loss, _ = loss_and_logits(params, x_train, y_train)
-    return loss, accuracy(params, x_test, y_test)
+    return loss, test_accuracy(params, x_test, y_test)
 
   @jax.jit
-  def accuracy(params, x_test, y_test):
+  def test_accuracy(params, x_test, y_test):
     _, logits = loss_and_logits(params, x_test, y_test)
     return jnp.mean(jnp.argmax(logits, -1) == y_test)
 
-  return train_step, evaluate, accuracy
+  return train_step, evaluate, test_accuracy
 
 
 def train(name, spec, args, data, model, params, progress):
@@ -109,7 +109,7 @@ def train(name, spec, args, data, model, params, progress):
   if policy.needs_loss_scaling:
     monitor = jmp_scaler.ScaleMonitor.for_state(state.opt_state, window=args.growth_interval)
   init_scale = float(jmp_scaler.get_scale(state.opt_state))
-  train_step, evaluate, accuracy = make_fns(model, policy)
+  train_step, evaluate, test_accuracy = make_fns(model, policy)
 
   rng = np.random.default_rng(args.seed)
   per_epoch = len(y_train) // args.batch
@@ -130,7 +130,7 @@ def train(name, spec, args, data, model, params, progress):
       losses += [float(m["loss"]) for m in host]
       t0 = time.perf_counter()  # the test accuracy, not counted in steps/s
       acc_at.append(i + 1)
-      accs.append(float(accuracy(state.params, x_test, y_test)))
+      accs.append(float(test_accuracy(state.params, x_test, y_test)))
       eval_time += time.perf_counter() - t0
       if monitor is not None:
         monitor.update(jax.tree.map(lambda *v: np.stack(v), *host))
