@@ -124,3 +124,86 @@ def poison(batch):
   """The same batch with an inf in its first input: every gradient overflows."""
   x = batch["x"]
   return {**batch, "x": x.at[(0,) * x.ndim].set(jnp.inf)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepMLP:
+  """A residual tanh MLP with ``leaves`` parameter leaves and about ``params`` parameters.
+
+  ``leaves // 2`` square dense layers (weight and bias), ``h = h + tanh(h @ w + b)``,
+  regression to a target: the width shrinks as the leaf count grows, so the
+  parameter count (and the optimizer's arithmetic) stays the same while the
+  number of leaves the scaler handles grows. 8 leaves: 4 layers of 1024.
+  """
+
+  leaves: int = 8
+  params: int = 4 * 1024 * 1024
+  batch: int = 32
+
+  @property
+  def width(self) -> int:
+    return max(8, int(round((self.params / (self.leaves // 2)) ** 0.5)))
+
+  def init(self, key):
+    w = self.width
+    return {"layers": [_dense(k, w, w) for k in jax.random.split(key, self.leaves // 2)]}
+
+  def batch_of(self, key):
+    kx, ky = jax.random.split(key)
+    shape = (self.batch, self.width)
+    return {"x": jax.random.normal(kx, shape, jnp.float32),
+            "y": jax.random.normal(ky, shape, jnp.float32)}
+
+  def loss(self, params, batch, compute_dtype=jnp.float16):
+    p = _cast(params, compute_dtype)
+    h = batch["x"].astype(compute_dtype)
+    for layer in p["layers"]:
+      h = h + jnp.tanh(h @ layer["w"] + layer["b"]) * 0.5
+    return jnp.mean(jnp.square(h.astype(jnp.float32) - batch["y"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT:
+  """A GPT-style decoder: token and position embeddings, pre-LN blocks, tied LM head.
+
+  ``layers`` blocks of :class:`Transformer` (16 leaves each) plus the
+  embeddings and the final LayerNorm; LayerNorm and softmax in float32.
+  """
+
+  layers: int = 6
+  d: int = 256
+  heads: int = 4
+  seq: int = 128
+  batch: int = 8
+  vocab: int = 1024
+
+  def _blocks(self):
+    return Transformer(d=self.d, heads=self.heads, ff=4 * self.d, seq=self.seq,
+                       batch=self.batch, layers=self.layers)
+
+  def init(self, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "tok": jax.random.normal(k1, (self.vocab, self.d), jnp.float32) * 0.02,
+        "pos": jax.random.normal(k2, (self.seq, self.d), jnp.float32) * 0.02,
+        "blocks": self._blocks().init(k3)["blocks"],
+        "ln_f": {"g": jnp.ones(self.d, jnp.float32), "b": jnp.zeros(self.d, jnp.float32)},
+    }
+
+  def batch_of(self, key):
+    tokens = jax.random.randint(key, (self.batch, self.seq + 1), 0, self.vocab)
+    # A float input (zeros) that poison() can set to inf: added to the embeddings.
+    return {"tokens": tokens, "x": jnp.zeros((self.batch, self.seq, self.d), jnp.float32)}
+
+  def loss(self, params, batch, compute_dtype=jnp.float16):
+    p = _cast(params, compute_dtype)
+    blocks = self._blocks()
+    inp, tgt = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    h = p["tok"][inp] + p["pos"][None] + batch["x"].astype(compute_dtype)
+    for blk in p["blocks"]:
+      h = h + blocks._attention(blk, _layer_norm(h, blk["ln1"]))
+      u = _layer_norm(h, blk["ln2"]) @ blk["up"]["w"] + blk["up"]["b"]
+      h = h + jax.nn.gelu(u) @ blk["down"]["w"] + blk["down"]["b"]
+    logits = (_layer_norm(h, p["ln_f"]) @ p["tok"].T).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], axis=-1))

@@ -1,0 +1,259 @@
+"""What the scaler costs as the number of parameter leaves grows (issue 14).
+
+A family of residual MLPs with the same parameter count (about 4.2 M) and 8,
+64, 256 or 1024 leaves, plus a GPT-style decoder (4 layers, d=256, seq 128, batch 2):
+float32 master parameters, float16 compute, Adam. Every variant runs the same
+step; the table compares each one with the no-scaler step:
+
+  none          no scaler, no skip (the baseline of every ratio)
+  ts_cond       jmp_scaler.TrainState, dynamic_scale(skip_mode="cond")
+  ts_select     jmp_scaler.TrainState, dynamic_scale(skip_mode="select")
+  skip          jmp_scaler.skip_nonfinite(chain(dynamic_scale(), adam)) (skip_mode auto)
+  accumulate    jmp_scaler.accumulate_gradients(chain(dynamic_scale(), adam), every_k=1)
+  aif           optax.apply_if_finite(adam), static loss scale (optax has no dynamic one)
+  bare          chain(dynamic_scale(bare=True), adam) without a skip wrapper
+
+Columns: ``step`` is the median over rounds of (variant / none in the same
+round); the rounds interleave the variants (rotating their order), so all of
+them see the same machine load, and ``IQR`` is the spread of that ratio over
+rounds. ``lower`` and ``compile`` are the first call's ``jit(...).lower`` and
+``.compile()`` times over none's (one measurement each: noisy at load), ``temp``
+the compiled step's temporary memory in MiB (``memory_analysis``), ``+temp``
+its excess over none's, ``kernels`` the ops of the compiled entry computation,
+``conds`` / ``selects`` / ``reduces`` the ``conditional`` / ``select`` / ``reduce``
+instructions in the whole compiled module and ``lines`` its length. Every
+timed step is finite (checked) and one overflowing step per variant checks the
+skip afterwards.
+
+  python benchmarks/bench_sweep.py                    # the whole sweep (~10 min on 2 cores)
+  python benchmarks/bench_sweep.py --models mlp256 --variants none,ts_select
+  python benchmarks/bench_sweep.py --quick            # tiny sizes, a smoke test
+  python benchmarks/bench_sweep.py --hlo /tmp/hlo     # keep each compiled step's HLO
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+try:
+  import jmp_scaler
+except ImportError:  # run from a checkout that is not installed
+  sys.path.insert(1, os.path.dirname(_HERE))
+  import jmp_scaler
+
+import _models  # noqa: E402
+
+SCALE = 2.0**10  # every timed step is finite at this scale (checked)
+LR = 1e-4
+VARIANTS = ("none", "ts_cond", "ts_select", "skip", "accumulate", "aif", "bare")
+
+
+def _scaler(mode="auto"):
+  try:
+    return jmp_scaler.dynamic_scale(init_scale=SCALE, skip_mode=mode, bare=True)
+  except TypeError:  # a version without the `bare` keyword
+    return jmp_scaler.dynamic_scale(init_scale=SCALE, skip_mode=mode)
+
+
+def variants(model):
+  """name -> (init(params) -> state, step(state, batch) -> state, params(state), scale)."""
+  adam = optax.adam(LR)
+  loss = model.loss
+  out = {}
+
+  def none_step(state, batch):
+    params, opt_state = state
+    grads = jax.grad(loss)(params, batch)
+    updates, opt_state = adam.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  out["none"] = (lambda p: (p, adam.init(p)), none_step, lambda s: s[0], None)
+
+  def train_state(mode):
+    tx = optax.chain(_scaler(mode), adam)
+
+    def step(state, batch):
+      grads = jax.grad(lambda p: loss(p, batch) * state.loss_scale)(state.params)
+      return state.apply_gradients(grads=grads)
+
+    init = lambda p: jmp_scaler.TrainState.create(apply_fn=loss, params=p, tx=tx)  # noqa: E731
+    return init, step, lambda s: s.params, lambda s: s.loss_scale
+
+  out["ts_cond"] = train_state("cond")
+  out["ts_select"] = train_state("select")
+
+  def optax_style(tx):
+    def step(state, batch):
+      params, opt_state = state
+      s = jmp_scaler.get_scale(opt_state)
+      grads = jax.grad(lambda p: loss(p, batch) * s)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    return (lambda p: (p, tx.init(p)), step, lambda s: s[0],
+            lambda s: jmp_scaler.get_scale(s[1]))
+
+  out["skip"] = optax_style(jmp_scaler.skip_nonfinite(optax.chain(_scaler(), adam)))
+  out["accumulate"] = optax_style(
+      jmp_scaler.accumulate_gradients(optax.chain(_scaler(), adam), every_k=1))
+  out["bare"] = optax_style(optax.chain(_scaler(), adam))
+  aif = optax.apply_if_finite(adam, max_consecutive_errors=5)
+
+  def aif_step(state, batch):
+    params, opt_state = state
+    grads = jax.grad(lambda p: loss(p, batch) * SCALE)(params)
+    grads = jax.tree.map(lambda g: g * (1.0 / SCALE), grads)
+    updates, opt_state = aif.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  out["aif"] = (lambda p: (p, aif.init(p)), aif_step, lambda s: s[0], None)
+  return out
+
+
+def hlo_stats(text: str) -> dict[str, int]:
+  """Counts in a compiled module (see the module docstring)."""
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[: entry.index("\n}")]
+  trivial = ("parameter(", "get-tuple-element(", "tuple(", "constant(", "bitcast(")
+  kernels = [ln for ln in entry.splitlines()[1:] if "=" in ln and not any(t in ln for t in trivial)]
+  lines = text.splitlines()
+  count = lambda op: sum(f" {op}(" in ln for ln in lines)  # noqa: E731
+  return {"kernels": len(kernels), "conds": count("conditional"), "selects": count("select"),
+          "reduces": count("reduce"), "lines": len(lines)}
+
+
+def _bits(tree):
+  return [np.asarray(x).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def run(name, model, names, rounds, steps, hlo_dir=None):
+  """Benchmarks the variants ``names`` (the first must be ``none``) on ``model``."""
+  kp, kb = jax.random.split(jax.random.key(0))
+  params = model.init(kp)
+  batch = jax.device_put(model.batch_of(kb))
+  table = variants(model)
+  fns, states, info = {}, {}, {}
+  for v in names:
+    init, step, _, _ = table[v]
+    # Copies: init may hand out one buffer for equal constants, and each is donated.
+    state = jax.tree.map(jnp.copy, init(jax.tree.map(jnp.copy, params)))
+    t0 = time.perf_counter()
+    lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    info[v] = {"lower": t1 - t0, "compile": t2 - t1,
+               "temp": compiled.memory_analysis().temp_size_in_bytes, **hlo_stats(text)}
+    if hlo_dir:
+      os.makedirs(hlo_dir, exist_ok=True)
+      with open(os.path.join(hlo_dir, f"{name}_{v}.hlo.txt"), "w") as f:
+        f.write(text)
+    fns[v] = compiled
+    states[v] = jax.block_until_ready(compiled(state, batch))  # warm up
+    print(f"  {name} {v}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s", file=sys.stderr,
+          flush=True)
+
+  times = {v: [] for v in names}
+  order = list(names)
+  for r in range(rounds):
+    for v in order[r % len(order):] + order[: r % len(order)]:
+      fn, state = fns[v], states[v]
+      t0 = time.perf_counter()
+      with jax.transfer_guard("disallow"):
+        for _ in range(steps):
+          state = fn(state, batch)
+        jax.block_until_ready(state)
+      times[v].append((time.perf_counter() - t0) / steps)
+      states[v] = state
+
+  bad = _models.poison(batch)
+  base, rows = np.asarray(times["none"]), []
+  for v in names:
+    _, _, get_params, get_scale = table[v]
+    state = states[v]
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(get_params(state)))
+    before = _bits(get_params(state))
+    state = fns[v](state, bad)
+    kept = before == _bits(get_params(state))
+    ratios = np.asarray(times[v]) / base
+    rows.append({
+        "variant": v, "ms": 1e3 * float(np.median(times[v])),
+        "ratio": float(np.median(ratios)),
+        "iqr": (float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))),
+        "finite": finite, "kept": kept, **info[v],
+    })
+  _print_table(name, model, rounds, steps, rows)
+  return rows
+
+
+def _print_table(name, model, rounds, steps, rows):
+  base = rows[0]
+  leaves = len(jax.tree.leaves(model.init(jax.random.key(0))))
+  print(f"\n## {name}: {model} ({leaves} leaves)")
+  print(f"{rounds} rounds x {steps} steps, jax {jax.__version__} {jax.default_backend()}, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; ratios to none")
+  head = (f"{'variant':<12}{'ms':>9}{'step':>7}{'IQR':>11}{'lower':>7}{'compile':>8}"
+          f"{'comp s':>8}{'temp':>8}{'+temp':>7}{'kernels':>8}{'conds':>6}{'selects':>8}"
+          f"{'reduces':>8}{'lines':>8}  finite  overflow")
+  print(head)
+  print("-" * len(head))
+  for r in rows:
+    iqr = f"{r['iqr'][0]:.2f}-{r['iqr'][1]:.2f}"
+    # none applies the overflow; bare runs Adam on zeros (documented); others must keep.
+    moved = {"none": "APPLIED", "bare": "moved (bare)"}.get(r["variant"], "APPLIED (bug)")
+    kept = "kept" if r["kept"] else moved
+    print(f"{r['variant']:<12}{r['ms']:>9.2f}{r['ratio']:>7.2f}{iqr:>11}"
+          f"{r['lower'] / base['lower']:>7.2f}{r['compile'] / base['compile']:>8.2f}"
+          f"{r['compile']:>8.2f}{r['temp'] / 2**20:>8.1f}{(r['temp'] - base['temp']) / 2**20:>7.1f}"
+          f"{r['kernels']:>8}{r['conds']:>6}{r['selects']:>8}{r['reduces']:>8}{r['lines']:>8}"
+          f"  {'yes' if r['finite'] else 'NO':<6}  {kept}")
+  sys.stdout.flush()
+
+
+def models(quick: bool) -> dict[str, object]:
+  if quick:
+    return {"mlp8": _models.DeepMLP(leaves=8, params=4096, batch=4),
+            "mlp64": _models.DeepMLP(leaves=64, params=4096, batch=4),
+            "gpt": _models.GPT(layers=1, d=16, heads=2, seq=8, batch=2, vocab=32)}
+  return {f"mlp{n}": _models.DeepMLP(leaves=n) for n in (8, 64, 256, 1024)} | {
+      "gpt": _models.GPT(layers=4, batch=2)}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=7)
+  parser.add_argument("--steps", type=int, default=None,
+                      help="steps per variant per round (default: 3 mlp, 1 gpt)")
+  parser.add_argument("--models", default="all", help="comma-separated, e.g. mlp8,gpt")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="comma-separated; none is always run first")
+  parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+  parser.add_argument("--hlo", metavar="DIR", help="write each compiled step's HLO here")
+  args = parser.parse_args(argv)
+  zoo = models(args.quick)
+  chosen = list(zoo) if args.models == "all" else args.models.split(",")
+  names = ["none"] + [v for v in args.variants.split(",") if v and v != "none"]
+  for v in names:
+    if v not in VARIANTS:
+      parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+  rounds = min(args.rounds, 2) if args.quick else args.rounds
+  warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+  for name in chosen:
+    steps = args.steps or (1 if args.quick or name == "gpt" else 3)
+    run(name, zoo[name], names, rounds, steps, args.hlo)
+
+
+if __name__ == "__main__":
+  main()

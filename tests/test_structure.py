@@ -1,0 +1,116 @@
+"""The compiled step's structure as the leaf count grows (issue 14), and the sweep's smoke test.
+
+Not timed: counts in the compiled HLO. The scaler's cost must grow linearly with
+the number of parameter leaves, in every skip mode: one conditional (cond) or none
+(select), a fixed number of reductions and selects per leaf, and no chain of scalar
+ops copied into every kernel that reads the decision (which made select mode's
+compile time grow with the square of the leaf count).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jmp_scaler._accumulate import accumulate_gradients
+from jmp_scaler._scaler import dynamic_scale
+from jmp_scaler._skip import skip_nonfinite
+from jmp_scaler._train_state import TrainState
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def _params(n):
+  return {f"l{i:03d}": jnp.full((8, 8), 0.5 + i / n, jnp.float32) for i in range(n)}
+
+
+def _step(variant):
+  adam = optax.adam(1e-3)
+  if variant in ("cond", "select"):
+    tx = optax.chain(dynamic_scale(skip_mode=variant), adam)
+
+    def step(params, grads):
+      state = TrainState.create(apply_fn=None, params=params, tx=tx)
+      return state.apply_gradients(grads=grads)
+
+    return step
+  wrap = {"skip": skip_nonfinite, "accumulate": lambda t: accumulate_gradients(t, 1),
+          "bare": lambda t: t}[variant]
+  tx = wrap(optax.chain(dynamic_scale(bare=True), adam))
+
+  def step(params, grads):
+    return tx.update(grads, tx.init(params), params)
+
+  return step
+
+
+def _counts(variant, n):
+  params = _params(n)
+  text = jax.jit(_step(variant)).lower(params, params).compile().as_text()
+  ops = lambda op: len(re.findall(rf" {op}\(", text))  # noqa: E731
+  return {"lines": len(text.splitlines()), "conditional": ops("conditional"),
+          "select": ops("select"), "reduce": ops("reduce"), "and": ops("and")}
+
+
+@pytest.mark.parametrize("variant", ["cond", "select", "skip", "accumulate", "bare"])
+def test_compiled_step_grows_linearly_with_the_leaf_count(variant):
+  small, large = _counts(variant, 8), _counts(variant, 32)
+  # One conditional in cond mode whatever the leaf count, none in select mode.
+  expected = {"cond": 1, "select": 0, "skip": 1, "accumulate": 1, "bare": 0}[variant]
+  assert small["conditional"] == large["conditional"] == expected, (small, large)
+  # Four times the leaves: at most about four times the module (the scalar chain
+  # copied into every kernel made it grow 15-fold at 4x the leaves).
+  assert large["lines"] <= 4.5 * small["lines"], (small, large)
+  # A bounded number of reductions, selects and scalar ands per leaf.
+  for op, per_leaf in (("reduce", 4), ("select", 6), ("and", 3)):
+    assert large[op] - small[op] <= per_leaf * 24, (op, small, large)
+
+
+def test_the_chain_is_traced_once_per_step():
+  calls = []
+
+  def counting():
+    def update(u, s, p=None):
+      calls.append(1)
+      return u, s
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+  for mode in ("cond", "select"):
+    calls.clear()
+    tx = optax.chain(dynamic_scale(skip_mode=mode), counting(), optax.sgd(0.1))
+    state = TrainState.create(apply_fn=None, params=_params(2), tx=tx)
+    jax.jit(lambda s, g: s.apply_gradients(grads=g)).lower(state, _params(2))
+    assert len(calls) == 1, mode
+
+
+def test_bench_sweep_quick_prints_every_variant():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
+  out = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_sweep.py"), "--quick",
+       "--models", "mlp8,gpt"],
+      capture_output=True, text=True, env=env, timeout=300, cwd=_ROOT,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  tables = re.split(r"\n## ", out.stdout)[1:]
+  assert [t.split(":")[0] for t in tables] == ["mlp8", "gpt"]
+  expected = ["none", "ts_cond", "ts_select", "skip", "accumulate", "aif", "bare"]
+  for table in tables:
+    lines = table.splitlines()
+    header = next(ln for ln in lines if ln.startswith("variant")).split()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("---")) + 1
+    rows = {ln.split()[0]: ln.split() for ln in lines[start:] if ln.strip()}
+    assert list(rows) == expected
+    conds = header.index("conds") - 1  # "comp s" is two words in the header
+    for name, row in rows.items():
+      assert float(row[1]) > 0 and float(row[2]) > 0, row
+      assert "yes" in row, row  # every timed step was finite
+      if name not in ("none", "bare"):
+        assert row[-1] == "kept", row
+    assert rows["ts_cond"][conds] == "1" and rows["ts_select"][conds] == "0"
