@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src import numerics
 
 from jmp_scaler._stochastic import (
   check_seed,
@@ -135,7 +134,7 @@ def scale_by_adam(
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
     specs = leaf_specs(param_specs, updates)
-    count = numerics.safe_increment(state.count)
+    count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
     c1 = 1 - jnp.float32(b1) ** t
     c2 = 1 - jnp.float32(b2) ** t

@@ -15,12 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
+from jmp_scaler._leaves import FLOAT32
 from jmp_scaler._policy import Policy, get_policy
-
-_FLOAT32 = np.dtype(jnp.float32)
 
 
 def as_policy(name: str, value: Any) -> Policy:
@@ -39,7 +37,7 @@ def float32_policy(policy: Policy) -> Policy:
   outputs in ``policy.compute_dtype`` so that the next layer stays in half
   precision (Haiku's ``p=f32,c=f32,o=f16`` recipe for ``hk.BatchNorm``).
   """
-  return Policy(policy.param_dtype, _FLOAT32, policy.compute_dtype)
+  return Policy(policy.param_dtype, FLOAT32, policy.compute_dtype)
 
 
 def override_table(
@@ -73,7 +71,7 @@ def override_table(
   return table
 
 
-def lookup(table: Mapping[type, Policy], cls: type) -> Policy | None:
+def policy_for_type(table: Mapping[type, Policy], cls: type) -> Policy | None:
   """The override for ``cls``: that of its nearest class in the MRO, if any."""
   for klass in cls.__mro__:
     if klass in table:

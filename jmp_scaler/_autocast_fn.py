@@ -26,6 +26,7 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
 
 from jmp_scaler import _autocast_rules as R
 from jmp_scaler._autocast import as_policy
+from jmp_scaler._leaves import FLOAT32, is_real_floating
 from jmp_scaler._policy import Policy
 
 #: Name prefixes of the ``jit`` equations that mark regions: the interpreter of
@@ -33,7 +34,6 @@ from jmp_scaler._policy import Policy
 AUTOCAST_MARK = "jmp_autocast"
 FULL_PRECISION_MARK = "jmp_full_precision"
 _MARKS = (AUTOCAST_MARK, FULL_PRECISION_MARK)
-_FLOAT32 = np.dtype(jnp.float32)
 
 
 # ---------------------------------------------------------------- the interpreter
@@ -43,10 +43,6 @@ def _is_weak(var: Any) -> bool:
   """Scalar literals (``x * 0.5``) and weakly typed values do not drive promotion."""
   aval = var.aval
   return (isinstance(var, Literal) and not aval.shape) or bool(getattr(aval, "weak_type", False))
-
-
-def _floating(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +103,7 @@ class _Interpreter:
 
   def _cast(self, eqn: Any, args: list, rule: str, cast: Callable) -> tuple[list, dict]:
     params = dict(eqn.params)
-    floats = [i for i, a in enumerate(args) if _floating(a)]
+    floats = [i for i, a in enumerate(args) if is_real_floating(a)]
     if name_is_convert(eqn) and floats:
       # A cast to the dtype it already had (a weak-type change) follows its input.
       if eqn.invars[0].aval.dtype == params["new_dtype"]:
@@ -120,7 +116,7 @@ class _Interpreter:
       target = self.policy.compute_dtype
       target = R.widest([target, *[d for d in dtypes if np.dtype(d).itemsize > 4]])
     elif rule == R.FLOAT32:
-      target = R.widest([_FLOAT32, *dtypes])
+      target = R.widest([FLOAT32, *dtypes])
     else:  # promote: the widest, weak scalars not counted unless all are weak
       strong = [args[i].dtype for i in floats if not _is_weak(eqn.invars[i])]
       target = R.widest(strong or dtypes)
@@ -324,7 +320,7 @@ def full_precision(fun: Callable) -> Callable:
     raise ValueError(f"fun must be callable, got {fun!r}")
 
   def body(static, *dyn):
-    up = lambda x: R.cast(x, _FLOAT32) if _floating(x) and x.dtype.itemsize < 4 else x
+    up = lambda x: R.cast(x, FLOAT32) if is_real_floating(x) and x.dtype.itemsize < 4 else x
     args, kwargs = static.rebuild([up(x) for x in dyn])
     return fun(*args, **kwargs)
 

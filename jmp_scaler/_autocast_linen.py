@@ -11,7 +11,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from jmp_scaler._autocast import as_policy, is_half, lookup, override_table
+from jmp_scaler._autocast import as_policy, is_half, override_table, policy_for_type
 from jmp_scaler._policy import Policy
 
 #: Module types computed in float32 by default (their outputs go back to the
@@ -104,7 +104,7 @@ def autocast_linen(
       return next_fun(*args, **kwargs)
     stack = local.__dict__.setdefault("stack", [])
     module = context.module
-    own = lookup(table, type(module))
+    own = policy_for_type(table, type(module))
     enters = own is not None or not stack
     active = own or (stack[-1] if stack else policy)
     old = _set_fields(module, active)

@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_scaler._autocast import as_policy, lookup, override_table
+from jmp_scaler._autocast import as_policy, override_table, policy_for_type
 from jmp_scaler._policy import Policy
 
 #: Module types computed in float32 by default (their outputs go back to the
@@ -112,7 +112,7 @@ def autocast_nnx(
   active: dict[tuple, Policy] = {}
   for path in sorted(modules, key=len):
     module = modules[path]
-    own = lookup(table, _base(type(module)))
+    own = policy_for_type(table, _base(type(module)))
     parent = active[_owner(path, modules)] if path else policy
     active[path] = own or parent
     if own is not None or not path:

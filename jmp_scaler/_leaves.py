@@ -21,6 +21,11 @@ def is_floating(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def is_real_floating(x: Any) -> bool:
+  """Whether ``x`` is a real floating array (what precision casts and rounding touch)."""
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def math_dtype(dtype: Any) -> np.dtype:
   """The dtype to unscale in: at least float32 (a half-precision 1/scale underflows)."""
   return np.dtype(jnp.promote_types(dtype, jnp.float32))

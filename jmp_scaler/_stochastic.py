@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src import numerics
+
+from jmp_scaler._leaves import is_real_floating
 
 _U32 = jnp.uint32
 _STREAM_PARAMS = 0  # the moments of jmp_scaler.adam use streams 1 and 2
@@ -271,7 +272,7 @@ def stochastic_round(seed: int = 0, *, param_specs: Any = None) -> optax.Gradien
       x = p.astype(jnp.float32) + u.astype(jnp.float32)
       new_p = stochastic_cast(x, p.dtype, random_bits(key, i, p.shape, spec))
       out.append(applied_update(p, new_p))
-    count = numerics.safe_increment(state.count)
+    count = optax.safe_increment(state.count)
     return treedef.unflatten(out), StochasticRoundState(count=count)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -287,10 +288,6 @@ class KahanState(NamedTuple):
   """
 
   compensation: Any
-
-
-def _is_float(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def kahan_summation() -> optax.GradientTransformation:
@@ -331,7 +328,7 @@ def kahan_summation() -> optax.GradientTransformation:
 
   def init_fn(params):
     def zeros(p):
-      return jnp.zeros_like(p) if _is_float(p) else jnp.zeros((0,), jnp.float32)
+      return jnp.zeros_like(p) if is_real_floating(p) else jnp.zeros((0,), jnp.float32)
 
     return KahanState(compensation=jax.tree.map(zeros, params))
 
@@ -342,7 +339,7 @@ def kahan_summation() -> optax.GradientTransformation:
     c_leaves = treedef.flatten_up_to(state.compensation)
     out, comp = [], []
     for u, p, c in zip(u_leaves, p_leaves, c_leaves, strict=True):
-      if u is None or not _is_float(p):
+      if u is None or not is_real_floating(p):
         out.append(u)
         comp.append(c)
         continue
