@@ -87,8 +87,8 @@ class LossScaleState(NamedTuple):
 
 SKIP_MODES = ("auto", "cond", "select")
 
-#: Warned once per scaler, on its first update, when no exact-skip wrapper
-#: handed it a decision (``bare=True`` says that this is intended).
+#: Warned once per process, at the first update (trace) of a scaler that no
+#: exact-skip wrapper handed a decision (``bare=True`` says that it is intended).
 BARE_WARNING = (
     "the loss scaler is used bare (no jmp_scaler.NNXOptimizer, jmp_scaler.TrainState, "
     "jmp_scaler.skip_nonfinite or jmp_scaler.accumulate_gradients around the chain): on an "
@@ -97,6 +97,7 @@ BARE_WARNING = (
     "nnx.Optimizer is bare: use jmp_scaler.NNXOptimizer), or pass bare=True to the scaler's "
     "factory if that is intended."
 )
+_BARE_WARNED: list[bool] = []  # non-empty once the warning was given
 
 
 # --------------------------------------------------------------------------
@@ -121,7 +122,6 @@ def _transformation(
     raise ValueError(f"bare must be True or False, got {bare!r}")
   bare = bool(bare)
   validation.warn_on_fast_math(stacklevel=4)
-  warned = []
 
   def init_fn(params):
     del params
@@ -151,8 +151,8 @@ def _transformation(
     del params
     refuse_partial_updates(updates)
     decided = extra_args.get(FINITE_KEY)
-    if decided is None and not bare and not warned:
-      warned.append(True)
+    if decided is None and not bare and not _BARE_WARNED:
+      _BARE_WARNED.append(True)
       warnings.warn(BARE_WARNING, UserWarning, stacklevel=3)
     finite = all_finite(updates, state) if decided is None else decided
     unscaled = unscale(updates, state.scale)
@@ -209,7 +209,8 @@ def dynamic_scale(
   :func:`jmp_scaler.skip_nonfinite`. Used bare in a plain ``optax`` loop the
   scaler hands zeros to the rest of the chain on an overflow: no inf or NaN
   reaches its state, but e.g. Adam's moments decay and its count advances;
-  its first update then warns, unless ``bare=True`` says that this is intended.
+  the first such update warns (once per process), unless ``bare=True`` says
+  that this is intended.
 
   Args:
     init_scale: initial scale; positive and finite in float32.
@@ -224,16 +225,25 @@ def dynamic_scale(
     axis_name: mapped axis name(s) (``shard_map``/``pmap``) over which each
       device holds only its shard of the gradients; the finiteness decision is
       reduced over them so every device skips together and keeps one scale.
-    skip_mode: how :class:`jmp_scaler.TrainState` and
-      :func:`jmp_scaler.skip_nonfinite` skip: ``"cond"`` runs the optimizer
-      under ``lax.cond`` (nothing is computed on a skip; cheapest on CPU and
-      TPU), ``"select"`` always runs it and keeps the old values with a fused
-      ``jnp.where`` (no branch, so no predicate for the host to read: GPU),
-      ``"auto"`` picks ``"select"`` on GPU and ``"cond"`` elsewhere, when the
-      step is traced. The results are bit-identical.
+    skip_mode: how :class:`jmp_scaler.TrainState`,
+      :func:`jmp_scaler.skip_nonfinite`, :class:`jmp_scaler.NNXOptimizer` and
+      :func:`jmp_scaler.accumulate_gradients` skip: ``"cond"`` runs the
+      optimizer under ``lax.cond`` (nothing is computed on a skip; cheapest on
+      CPU and TPU), ``"select"`` always runs it and keeps the old values with
+      ``jnp.where`` (no branch: XLA:GPU runs a conditional by copying its
+      predicate to the host and blocking until the stream is done, unless
+      conditionals are put in command buffers), ``"auto"`` picks ``"select"``
+      on GPU and ``"cond"`` elsewhere, when the step is traced. Both modes take
+      the same decision and skip the same steps; a skipped step leaves the
+      parameters and every optimizer state but the scaler's bit-identical, and
+      the scaler's state is bit-identical between the modes. Applied steps
+      agree to rounding, not bit for bit: XLA fuses a conditional's branch
+      differently from a select, and XLA:CPU contracts multiply-adds into FMAs
+      as it fuses, so a few elements may differ in the last bit.
     bare: say that the scaler is used bare on purpose (a plain ``tx.update``
       or ``nnx.Optimizer``, no exact-skip wrapper): silences the warning that
-      its first bare update gives otherwise. Static configuration, not state.
+      the first bare update gives otherwise (once per process). Static
+      configuration, not state.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a

@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jmp_scaler import _scaler
 from jmp_scaler._accumulate import accumulate_gradients
 from jmp_scaler._diagnostics import nonfinite_report
 from jmp_scaler._lookup import get_scale
@@ -173,28 +174,33 @@ def test_masked_scaler_is_refused_and_the_head_of_the_chain_is_not():
 # --- 9.7: bare use warns once, unless said to be intended --------------------------------
 
 
-def _bare_warnings(fn):
+def _bare_warnings(fn, monkeypatch):
+  monkeypatch.setattr(_scaler, "_BARE_WARNED", [])  # the warning is given once per process
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     fn()
   return [w for w in caught if "used bare" in str(w.message)]
 
 
-def test_bare_chain_warns_once_naming_the_wrappers():
+def test_bare_chain_warns_once_naming_the_wrappers(monkeypatch):
   tx = optax.chain(dynamic_scale(), optax.adam(1e-3))
   params = jnp.ones(2)
   state = tx.init(params)
   step = jax.jit(tx.update)
-  caught = _bare_warnings(lambda: step(jnp.ones(2), state, params))
+  caught = _bare_warnings(lambda: step(jnp.ones(2), state, params), monkeypatch)
   assert len(caught) == 1
   message = str(caught[0].message)
   for name in ("NNXOptimizer", "TrainState", "skip_nonfinite", "bare=True"):
     assert name in message
-  assert not _bare_warnings(lambda: tx.update(jnp.ones(2), state, params))  # once
+  with warnings.catch_warnings(record=True) as again:
+    warnings.simplefilter("always")
+    other = optax.chain(dynamic_scale(), optax.adam(1e-3))  # another bare scaler
+    other.update(jnp.ones(2), other.init(params), params)
+  assert not [w for w in again if "used bare" in str(w.message)]  # once per process
 
 
 @pytest.mark.parametrize("use", ["bare=True", "skip_nonfinite", "train_state", "accumulate"])
-def test_no_bare_warning_when_intended_or_wrapped(use):
+def test_no_bare_warning_when_intended_or_wrapped(use, monkeypatch):
   scaler = dynamic_scale(bare=True) if use == "bare=True" else dynamic_scale()
   tx = optax.chain(scaler, optax.adam(1e-3))
   params = jnp.ones(2)
@@ -207,18 +213,18 @@ def test_no_bare_warning_when_intended_or_wrapped(use):
     t = t.get(use, lambda x: x)(tx)
     t.update(params, t.init(params), params)
 
-  assert not _bare_warnings(run)
+  assert not _bare_warnings(run, monkeypatch)
 
 
-def test_plain_nnx_optimizer_warns_and_nnx_optimizer_does_not():
+def test_plain_nnx_optimizer_warns_and_nnx_optimizer_does_not(monkeypatch):
   def update(cls):
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     opt = cls(model, optax.chain(dynamic_scale(), optax.adam(1e-3)), wrt=nnx.Param)
     grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(model)
     opt.update(model, grads)
 
-  assert len(_bare_warnings(lambda: update(nnx.Optimizer))) == 1
-  assert not _bare_warnings(lambda: update(NNXOptimizer))
+  assert len(_bare_warnings(lambda: update(nnx.Optimizer), monkeypatch)) == 1
+  assert not _bare_warnings(lambda: update(NNXOptimizer), monkeypatch)
 
 
 def test_bare_must_be_a_bool():
