@@ -24,8 +24,6 @@ from jmp_scaler._checkpoint import from_bytes as from_bytes
 from jmp_scaler._checkpoint import restore_checkpoint as restore_checkpoint
 from jmp_scaler._checkpoint import save_checkpoint as save_checkpoint
 from jmp_scaler._checkpoint import to_bytes as to_bytes
-from jmp_scaler._diagnostics import NonFiniteReport as NonFiniteReport
-from jmp_scaler._diagnostics import nonfinite_report as nonfinite_report
 from jmp_scaler._distributed import check_axis_name as check_axis_name
 from jmp_scaler._distributed import scale_in_sync as scale_in_sync
 from jmp_scaler._grad import value_and_grad as value_and_grad
@@ -36,6 +34,8 @@ from jmp_scaler._monitor import ScaleMonitor as ScaleMonitor
 from jmp_scaler._monitor import ScaleWarning as ScaleWarning
 from jmp_scaler._monitor import to_scalars as to_scalars
 from jmp_scaler._nnx import NNXOptimizer as NNXOptimizer
+from jmp_scaler._nonfinite import NonFiniteReport as NonFiniteReport
+from jmp_scaler._nonfinite import nonfinite_report as nonfinite_report
 from jmp_scaler._policy import Policy as Policy
 from jmp_scaler._policy import default_policy as default_policy
 from jmp_scaler._policy import get_policy as get_policy

@@ -22,12 +22,12 @@ from jmp_scaler import _validation as validation
 from jmp_scaler._leaves import is_floating, math_dtype
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
 from jmp_scaler._scaler import (
-    FINITE_KEY,
-    LossScaleState,
-    _reciprocal,
-    all_finite,
-    next_state,
-    no_scale,
+  FINITE_KEY,
+  LossScaleState,
+  all_finite,
+  next_state,
+  no_scale,
+  reciprocal,
 )
 from jmp_scaler._skip import guarded
 
@@ -168,7 +168,7 @@ def accumulate_gradients(
     scaler = find_scale_state(state.inner_state)
     ref = scaler if scaler is not None else no_scale().init(None)
     finite = all_finite(updates, ref) if decided is None else jnp.asarray(decided, jnp.bool_)
-    pre, inv = _reciprocal(ref.scale)  # two normal factors: exact up to the largest scale
+    pre, inv = reciprocal(ref.scale)  # two normal factors: exact up to the largest scale
 
     def add(s, g):
       if not is_floating(g):

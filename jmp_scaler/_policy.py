@@ -35,7 +35,7 @@ def _half_dtype() -> np.dtype:
   return _BFLOAT16 if jax.default_backend() == "tpu" else _FLOAT16
 
 
-def _canonical(name: str, dtype: Any) -> np.dtype:
+def canonical_dtype(name: str, dtype: Any) -> np.dtype:
   """One of the four floating dtypes, from a dtype object or one of the policy names.
 
   Strings are read with the policy grammar's names (``"f16"`` is float16 here,
@@ -96,7 +96,7 @@ class Policy:
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      object.__setattr__(self, field, _canonical(field, getattr(self, field)))
+      object.__setattr__(self, field, canonical_dtype(field, getattr(self, field)))
 
   def cast_to_param(self, tree: T) -> T:
     """Casts the floating leaves of ``tree`` to ``param_dtype``."""
@@ -198,7 +198,7 @@ def get_policy(spec: str | Any) -> Policy:
   if isinstance(spec, Policy):
     return spec
   if not isinstance(spec, str) and spec is not None:
-    d = _canonical("policy", spec)
+    d = canonical_dtype("policy", spec)
     return Policy(d, d, d)
   if not isinstance(spec, str) or not spec.strip():
     raise ValueError(f"policy must be a non-empty string, got {spec!r}")

@@ -355,7 +355,7 @@ def no_scale(
 SUM_FROM_SIZE = 2**19
 
 
-def _reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(pre, inv)`` with ``g * pre * inv == g * (1 / scale)`` and both factors normal.
 
   Above ``2**126`` the reciprocal of a float32 scale is subnormal, and
@@ -382,7 +382,7 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   float32: the reciprocal is taken in two normal factors (a plain ``1 / scale``
   is subnormal above ``2**126``, and XLA:CPU flushes it to zero).
   """
-  pre, inv = _reciprocal(jnp.asarray(scale, jnp.float32))
+  pre, inv = reciprocal(jnp.asarray(scale, jnp.float32))
   return jax.tree.map(lambda g: _unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
 
 
@@ -433,7 +433,7 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   (:func:`dynamic_scale` warns).
   """
   by_sum = _count_by_sum()
-  pre, inv = _reciprocal(state.scale)
+  pre, inv = reciprocal(state.scale)
   flags = [_leaf_finite(g, pre, inv, by_sum) for g in floating_leaves(grads)]
   if flags:
     finite = jnp.min(jnp.stack(flags).astype(jnp.int32)) > 0

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jmp_scaler._diagnostics import _floating_leaves, _maybe, _pct, _per_leaf
 from jmp_scaler._leaves import real_parts
-from jmp_scaler._policy import _canonical
+from jmp_scaler._nonfinite import leaves_by_path, only_when, per_leaf, percent
+from jmp_scaler._policy import canonical_dtype
 
 # frexp exponents of finite nonzero float32 magnitudes: |x| in [2^(e-1), 2^e).
 _EMIN, _EMAX = -149, 128
@@ -70,7 +70,7 @@ class UnderflowReport(struct.PyTreeNode):
   def estimate(self, scale: float, dtype: Any = None) -> dict[str, float]:
     """Estimated zero/subnormal/overflow fractions at another scale or dtype
     (from the histogram: exact up to one binade at each boundary)."""
-    fi = jnp.finfo(_canonical("dtype", self.dtype if dtype is None else dtype))
+    fi = jnp.finfo(canonical_dtype("dtype", self.dtype if dtype is None else dtype))
     hist = self._host()["hist"]
     lo = 2.0 ** np.arange(_EMIN - 1, _EMAX, dtype=np.float64) * scale  # each bin's lower edge
     zero = 2 * lo <= float(fi.smallest_subnormal) / 2
@@ -90,8 +90,8 @@ class UnderflowReport(struct.PyTreeNode):
     scale, best = float(h["scale"]), self.best_scale()
     lost = self.estimate(best)
     lost = lost["zero"] + lost["subnormal"]
-    msgs = [f"At scale {scale:.6g}, {_pct(zero, nz)} flush to zero, {_pct(sub, nz)} become "
-            f"subnormal, {_pct(over, nz)} overflow in {name}."]
+    msgs = [f"At scale {scale:.6g}, {percent(zero, nz)} flush to zero, {percent(sub, nz)} become "
+            f"subnormal, {percent(over, nz)} overflow in {name}."]
     if over:
       msgs.append(f"Scale too high: at most {best:.6g} keeps every element finite.")
     elif (zero + sub) / nz > tolerance and best > scale:
@@ -113,7 +113,7 @@ class UnderflowReport(struct.PyTreeNode):
     lines = [f"  {'leaf':<{width}}  {'zero':>7} {'subnorm':>7} {'overflow':>8} {'max|x|':>9}"]
     for i, p in enumerate(self.paths[:max_leaves]):
       nz = int(h["nonzero"][i])
-      cells = (_pct(int(h[k][i]), nz) for k in ("zero", "subnormal", "overflow"))
+      cells = (percent(int(h[k][i]), nz) for k in ("zero", "subnormal", "overflow"))
       lines.append(f"  {p:<{width}}  " + "{:>7} {:>7} {:>8}".format(*cells)
                    + f" {h['max_abs'][i]:>9.3g}")
     if len(self.paths) > max_leaves:
@@ -170,10 +170,10 @@ def underflow_report(
     >>> int(jmp_scaler.underflow_report(g, scale=2.0**15).zero[0])
     0
   """
-  d = _canonical("dtype", dtype)
+  d = canonical_dtype("dtype", dtype)
   if isinstance(scale, numbers.Real) and not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"scale must be positive and finite, got {scale!r}")
-  paths, sizes, leaves = _floating_leaves(tree)
+  paths, sizes, leaves = leaves_by_path(tree)
   s = jnp.asarray(scale, jnp.float32)
   zero, sub, over, nz, peak, hist = _classify(leaves, s, when, d)
   return UnderflowReport(zero=zero, subnormal=sub, overflow=over, nonzero=nz, max_abs=peak,
@@ -197,8 +197,8 @@ def _classify(leaves, s, when, d):
   def compute():
     per = [stats(x) for x in leaves]
     dts = (jnp.int32,) * 4 + (jnp.float32,)
-    cols = [_per_leaf(lambda p, k=k: p[k], per, dt) for k, dt in enumerate(dts)]
+    cols = [per_leaf(lambda p, k=k: p[k], per, dt) for k, dt in enumerate(dts)]
     hist = sum((p[5] for p in per), jnp.zeros([_EMAX - _EMIN + 1], jnp.int32))
     return (*cols, hist)
 
-  return _maybe(when, compute)
+  return only_when(when, compute)

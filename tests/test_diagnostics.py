@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_scaler
-from jmp_scaler import _diagnostics, _monitor
+from jmp_scaler import _monitor, _nonfinite
 
 INF, NAN = float("inf"), float("nan")
 
@@ -233,6 +233,6 @@ def test_underflow_report_validates_arguments(kwargs, match):
 
 
 def test_docstring_examples_run():
-  for module in (_diagnostics, _monitor):
+  for module in (_nonfinite, _monitor):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -12,9 +12,9 @@ from flax import nnx
 
 from jmp_scaler import _scaler
 from jmp_scaler._accumulate import accumulate_gradients
-from jmp_scaler._diagnostics import nonfinite_report
 from jmp_scaler._lookup import get_scale
 from jmp_scaler._nnx import NNXOptimizer
+from jmp_scaler._nonfinite import nonfinite_report
 from jmp_scaler._scaler import dynamic_scale, fixed_scale, no_scale, unscale
 from jmp_scaler._skip import skip_nonfinite
 from jmp_scaler._train_state import TrainState

@@ -19,7 +19,7 @@ from flax import struct
 from jmp_scaler._leaves import is_floating
 
 
-def _floating_leaves(tree: Any) -> tuple[tuple[str, ...], tuple[int, ...], list[jax.Array]]:
+def leaves_by_path(tree: Any) -> tuple[tuple[str, ...], tuple[int, ...], list[jax.Array]]:
   """Paths, sizes and values of the floating leaves of ``tree``, in tree order."""
   paths, sizes, leaves = [], [], []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -30,13 +30,13 @@ def _floating_leaves(tree: Any) -> tuple[tuple[str, ...], tuple[int, ...], list[
   return tuple(paths), tuple(sizes), leaves
 
 
-def _per_leaf(fn, leaves, dtype) -> jax.Array:
+def per_leaf(fn, leaves, dtype) -> jax.Array:
   if not leaves:
     return jnp.zeros([0], dtype)
   return jnp.stack([jnp.asarray(fn(x), dtype) for x in leaves])
 
 
-def _maybe(when, compute):
+def only_when(when, compute):
   """``compute()``, or zeros of its shape unless ``when`` (a traced bool) holds."""
   if when is None:
     return compute()
@@ -44,7 +44,7 @@ def _maybe(when, compute):
   return jax.lax.cond(jnp.asarray(when, jnp.bool_), compute, zeros)
 
 
-def _pct(part: int, whole: int) -> str:
+def percent(part: int, whole: int) -> str:
   return f"{100.0 * part / whole:.3g}%" if whole else "-"
 
 
@@ -103,7 +103,7 @@ class NonFiniteReport(struct.PyTreeNode):
     for c in bad[:max_leaves]:
       lines.append(
           f"  {c.path:<{width}}  nan {c.nan:>8}  inf {c.inf:>8}  "
-          f"of {c.size:>8} ({_pct(c.nan + c.inf, c.size)})"
+          f"of {c.size:>8} ({percent(c.nan + c.inf, c.size)})"
       )
     if len(bad) > max_leaves:
       lines.append(f"  ... and {len(bad) - max_leaves} more")
@@ -148,7 +148,7 @@ def nonfinite_report(tree: Any, *, when: Any = None) -> NonFiniteReport:
     1 of 2 floating leaves hold inf/NaN (2 elements); first in tree order: Dense_1/kernel
       Dense_1/kernel  nan        1  inf        1  of        3 (66.7%)
   """
-  paths, sizes, leaves = _floating_leaves(tree)
+  paths, sizes, leaves = leaves_by_path(tree)
   nan, inf = _count_nonfinite(leaves, when)
   return NonFiniteReport(nan=nan, inf=inf, paths=paths, sizes=sizes)
 
@@ -156,7 +156,7 @@ def nonfinite_report(tree: Any, *, when: Any = None) -> NonFiniteReport:
 @jax.jit  # one compilation when called outside jit; inlined inside a jitted step
 def _count_nonfinite(leaves, when):
   def compute():
-    count = lambda f: _per_leaf(lambda x: jnp.sum(f(x), dtype=jnp.int32), leaves, jnp.int32)  # noqa: E731
+    count = lambda f: per_leaf(lambda x: jnp.sum(f(x), dtype=jnp.int32), leaves, jnp.int32)  # noqa: E731
     return count(jnp.isnan), count(jnp.isinf)
 
-  return _maybe(when, compute)
+  return only_when(when, compute)
