@@ -29,3 +29,13 @@ def test_the_drawing_finds_a_planted_cycle():
   else:
     raise AssertionError("a cycle was not found")
   assert house.private_imports(graph) == ["_b imports _x from _a"]
+
+
+def test_every_public_name_is_documented_and_exported():
+  import jmp_scaler
+
+  text = (ROOT / "README.md").read_text() + "".join(
+      p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+  assert [n for n in jmp_scaler.__all__ if n not in text] == []
+  assert all(hasattr(jmp_scaler, n) for n in jmp_scaler.__all__)
+  assert sorted(jmp_scaler.__all__) == list(jmp_scaler.__all__)
