@@ -22,8 +22,8 @@ the compiled step's temporary memory in MiB (``memory_analysis``), ``+temp``
 its excess over none's, ``kernels`` the ops of the compiled entry computation,
 ``conds`` / ``selects`` / ``reduces`` the ``conditional`` / ``select`` / ``reduce``
 instructions in the whole compiled module and ``lines`` its length. Every
-timed step is finite (checked) and one overflowing step per variant checks the
-skip afterwards.
+timed step is finite (``finite``: finite parameters, and the scale never backed
+off) and one overflowing step per variant checks the skip afterwards.
 
   python benchmarks/bench_sweep.py                    # the whole sweep (~10 min on 2 cores)
   python benchmarks/bench_sweep.py --models mlp256 --variants none,ts_select
@@ -184,6 +184,8 @@ def run(name, model, names, rounds, steps, hlo_dir=None):
     _, _, get_params, get_scale = table[v]
     state = states[v]
     finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(get_params(state)))
+    # ... and no timed step was skipped (a skipped step costs less): the scale never moved.
+    finite = finite and (get_scale is None or float(get_scale(state)) == SCALE)
     before = _bits(get_params(state))
     state = fns[v](state, bad)
     kept = before == _bits(get_params(state))
