@@ -93,10 +93,15 @@ class UnderflowReport(struct.PyTreeNode):
     msgs = [f"At scale {scale:.6g}, {percent(zero, nz)} flush to zero, {percent(sub, nz)} become "
             f"subnormal, {percent(over, nz)} overflow in {name}."]
     if over:
-      msgs.append(f"Scale too high: at most {best:.6g} keeps every element finite.")
+      msg = f"Scale too high: at most {best:.6g} keeps every element finite."
+      if best < 1:
+        msg += (" These values overflow unscaled: for gradients a loss scale below 1 fits them;"
+                " activations and inputs are never multiplied by the loss scale: rescale them.")
+      msgs.append(msg)
     elif (zero + sub) / nz > tolerance and best > scale:
-      msgs.append(f"Scale too low: {best:.6g}, the largest without overflow, would lose "
-                  f"about {100 * lost:.3g}% to zero or subnormals.")
+      msgs.append(f"Scale too low: {best:.6g}, the largest without overflow for these leaves, "
+                  f"would lose about {100 * lost:.3g}% to zero or subnormals (pass every "
+                  f"gradient the loss scale multiplies).")
     else:
       msgs.append("The scale fits.")
     if self.dtype != np.dtype(jnp.bfloat16) and lost > tolerance:
