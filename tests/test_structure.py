@@ -90,6 +90,7 @@ def test_the_chain_is_traced_once_per_step():
     assert len(calls) == 1, mode
 
 
+@pytest.mark.slow
 def test_bench_sweep_quick_prints_every_variant():
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
   out = subprocess.run(
