@@ -24,12 +24,12 @@ from jmp_scaler._lookup import find_scale_state, replace_scale_state
 from jmp_scaler._scaler import (
   FINITE_KEY,
   LossScaleState,
-  all_finite,
+  decision,
   next_state,
   no_scale,
   reciprocal,
 )
-from jmp_scaler._skip import guarded
+from jmp_scaler._skip import apply_or_skip, noop_updates
 
 _MODES = ("drop_micro_batch", "skip_window")
 
@@ -164,10 +164,10 @@ def accumulate_gradients(
 
   def update_fn(updates, state, params=None, **extra_args):
     extra_args = dict(extra_args)
-    decided = extra_args.pop(FINITE_KEY, None)
     scaler = find_scale_state(state.inner_state)
     ref = scaler if scaler is not None else no_scale().init(None)
-    finite = all_finite(updates, ref) if decided is None else jnp.asarray(decided, jnp.bool_)
+    finite = jnp.asarray(decision(updates, ref, extra_args), jnp.bool_)
+    extra_args.pop(FINITE_KEY, None)  # the inner chain gets this window's decision instead
     pre, inv = reciprocal(ref.scale)  # two normal factors: exact up to the largest scale
 
     def add(s, g):
@@ -203,7 +203,7 @@ def accumulate_gradients(
       return out, inner_state
 
     def wait(shapes):
-      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes[0])
+      zeros = noop_updates(shapes[0])
       inner_state = state.inner_state
       if scaler is not None:
         skipped = jax.tree.map(
@@ -212,7 +212,7 @@ def accumulate_gradients(
         inner_state = replace_scale_state(inner_state, skipped)
       return zeros, inner_state
 
-    out, inner_state = guarded(scaler, run, apply, wait)
+    out, inner_state = apply_or_skip(scaler, run, apply, wait)
     dropped = jnp.where(finite, state.dropped, optax.safe_increment(state.dropped))
     new_state = AccumulationState(
         mini_step=jnp.where(at_end, 0, mini_step).astype(jnp.int32),

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jmp_scaler._leaves import is_floating
 from jmp_scaler._lookup import find_scale_state
+from jmp_scaler._scaler import LossScaleState
 
 
 def _names(axis_name: Hashable | None) -> frozenset:
@@ -121,11 +122,14 @@ def scale_in_sync(opt_state: Any, axis_name: Hashable) -> jax.Array:
   s = find_scale_state(opt_state)
   if s is None:
     return jnp.asarray(True)
-  fields = [
-      jax.lax.bitcast_convert_type(s.scale, jnp.int32),
-      s.growth_tracker, s.hysteresis_tracker, s.skipped.astype(jnp.int32),
-      s.consecutive_skips, s.total_skips, s.steps,
-  ]
+  # Every field but the static-and-leaf config, derived from the type: a new field is compared
+  # without anyone editing a list. Floats are compared bit for bit.
+  def as_int32(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return x.astype(jnp.int32)
+
+  fields = [as_int32(getattr(s, f)) for f in LossScaleState._fields if f != "config"]
   v = jnp.stack([jnp.asarray(f, jnp.int32) for f in fields])
   # max(v) == -max(-v) == min(v) on every field iff all devices agree (no value is INT_MIN).
   both = jax.lax.pmax(jnp.concatenate([v, -v]), axis_name)

@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from jmp_scaler._lookup import get_scale, scale_metrics
 from jmp_scaler._scaler import FINITE_KEY
-from jmp_scaler._skip import decide, guarded, skipped_state
+from jmp_scaler._skip import apply_or_skip, find_and_decide, noop_updates, skipped_state
 
 
 def _flat(state: Any) -> dict[tuple, Any]:
@@ -103,7 +102,7 @@ class NNXOptimizer(nnx.Optimizer):
     snapshot, current = _restorable(model, restore_on_skip, self.graph)
     opt_state = nnx.as_pure(self.opt_state)
     grads_in = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    scaler, finite = decide(grads_in, opt_state, {})
+    scaler, finite = find_and_decide(grads_in, opt_state, {})
     if scaler is None:
       return super().update(model, grads, **kwargs)
     grads = grads_in
@@ -119,10 +118,9 @@ class NNXOptimizer(nnx.Optimizer):
       return updates, new_params, new_opt_state, step + 1, current
 
     def skip(shapes):
-      updates = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes[0])
-      return updates, params, skipped_state(opt_state, scaler), step, snapshot
+      return noop_updates(shapes[0]), params, skipped_state(opt_state, scaler), step, snapshot
 
-    updates, new_params, new_opt_state, new_step, kept = guarded(scaler, finite, apply, skip)
+    updates, new_params, new_opt_state, new_step, kept = apply_or_skip(scaler, finite, apply, skip)
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
     self.step[...] = new_step

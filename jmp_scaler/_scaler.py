@@ -154,7 +154,7 @@ def _transformation(
     if decided is None and not bare and not _BARE_WARNED:
       _BARE_WARNED.append(True)
       warnings.warn(BARE_WARNING, UserWarning, stacklevel=3)
-    finite = all_finite(updates, state) if decided is None else decided
+    finite = decision(updates, state, extra_args)
     unscaled = unscale(updates, state.scale)
     if decided is not True:
       # Without an exact-skip wrapper the rest of the chain runs anyway: give it
@@ -444,6 +444,13 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
     bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes)
     finite = bad == 0
   return finite
+
+
+def decision(updates: Any, state: LossScaleState, extra_args: dict[str, Any]) -> Any:
+  """The finiteness decision an outer wrapper handed down through ``extra_args``
+  (:data:`FINITE_KEY`), or, without one, :func:`all_finite` of ``updates``."""
+  decided = extra_args.get(FINITE_KEY)
+  return all_finite(updates, state) if decided is None else decided
 
 
 def refuse_partial_updates(updates: Any) -> None:

@@ -19,10 +19,10 @@ import optax
 
 from jmp_scaler._distributed import match_varying
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
-from jmp_scaler._scaler import FINITE_KEY, LossScaleState, all_finite, next_state
+from jmp_scaler._scaler import FINITE_KEY, LossScaleState, decision, next_state
 
 
-def decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
+def find_and_decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
   """The scaler state in ``opt_state`` and the finiteness decision for ``grads``.
 
   Returns ``(None, None)`` when ``opt_state`` holds no scaler, and reuses a
@@ -31,8 +31,12 @@ def decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
   scaler = find_scale_state(opt_state)
   if scaler is None:
     return None, None
-  decided = extra_args.get(FINITE_KEY)
-  return scaler, (all_finite(grads, scaler) if decided is None else decided)
+  return scaler, decision(grads, scaler, extra_args)
+
+
+def noop_updates(shapes: Any) -> Any:
+  """``-0.0`` in every leaf of ``shapes``: ``p + -0.0`` keeps every bit of every float."""
+  return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
 
 
 def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
@@ -48,7 +52,7 @@ def uses_cond(scaler: LossScaleState) -> bool:
   return mode == "cond"
 
 
-def guarded(
+def apply_or_skip(
     scaler: LossScaleState | None,
     finite: jax.Array,
     apply: Callable[[Any], Any],
@@ -120,7 +124,7 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    scaler, finite = decide(updates, state, extra_args)
+    scaler, finite = find_and_decide(updates, state, extra_args)
     if scaler is None or finite is True:
       return inner.update(updates, state, params, **extra_args)
 
@@ -128,9 +132,8 @@ def skip_nonfinite(
       return inner.update(updates, state, params, **{**extra_args, FINITE_KEY: decision})
 
     def skip(shapes):
-      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes[0])
-      return zeros, skipped_state(state, scaler)
+      return noop_updates(shapes[0]), skipped_state(state, scaler)
 
-    return guarded(scaler, finite, apply, skip)
+    return apply_or_skip(scaler, finite, apply, skip)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

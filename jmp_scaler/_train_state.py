@@ -11,7 +11,7 @@ from flax.training import train_state
 
 from jmp_scaler._lookup import get_scale, scale_metrics
 from jmp_scaler._scaler import FINITE_KEY
-from jmp_scaler._skip import decide, guarded, skipped_state
+from jmp_scaler._skip import apply_or_skip, find_and_decide, skipped_state
 
 _OWG = train_state.OVERWRITE_WITH_GRADIENT
 
@@ -60,7 +60,7 @@ class TrainState(train_state.TrainState):
     owg = not isinstance(grads, jax.Array) and _OWG in grads
     grads_opt = grads["params"] if owg else grads
     params_opt = self.params["params"] if owg else self.params
-    scaler, finite = decide(grads_opt, self.opt_state, {})
+    scaler, finite = find_and_decide(grads_opt, self.opt_state, {})
     if scaler is None:
       return super().apply_gradients(grads=grads, **kwargs)
     tx = optax.with_extra_args_support(self.tx)
@@ -81,7 +81,7 @@ class TrainState(train_state.TrainState):
       old = {k: getattr(self, k) for k in kwargs}
       return self.params, skipped_state(self.opt_state, scaler), self.step, old
 
-    params, opt_state, step, fields = guarded(scaler, finite, apply, skip)
+    params, opt_state, step, fields = apply_or_skip(scaler, finite, apply, skip)
     return self.replace(step=step, params=params, opt_state=opt_state, **fields)
 
   @property
