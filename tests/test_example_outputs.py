@@ -11,11 +11,9 @@ migration guide's corrections state what the peers really do.
 
 import concurrent.futures
 import functools
-import os
 import pathlib
 import re
 import struct
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ import optax
 import pytest
 
 import jmp_scaler
+from tests._subprocess import start_runs, stdout_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -149,14 +148,7 @@ def _commands(out: pathlib.Path) -> dict[str, list[str]]:
 
 @functools.cache
 def _runs(out: pathlib.Path) -> dict[str, concurrent.futures.Future]:
-  # Tiny runs are all compilation: spend less of it on LLVM optimisation.
-  flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120",
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
-  run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-  return {name: pool.submit(run, cmd) for name, cmd in _commands(out).items()}
+  return start_runs(_commands(out))
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +157,7 @@ def out_dir(tmp_path_factory):
 
 
 def output(name: str, out: pathlib.Path) -> str:
-  proc = _runs(out)[name].result()
-  assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-  return proc.stdout
+  return stdout_of(_runs(out), name)
 
 
 def png_title(path: pathlib.Path) -> str:

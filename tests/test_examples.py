@@ -7,13 +7,13 @@ cores), so the module costs about half the sum of the runs.
 
 import concurrent.futures
 import functools
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests._subprocess import start_runs, stdout_of
 
 pytestmark = pytest.mark.slow  # every test waits for a subprocess
 
@@ -50,15 +50,7 @@ def _commands(out: pathlib.Path) -> dict[str, list[str]]:
 
 @functools.cache
 def _runs(out: pathlib.Path) -> dict[str, concurrent.futures.Future]:
-  # Tiny runs are all compilation: spend less of it on LLVM optimisation.
-  flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120",
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
-  # The longest run takes about 20 s alone; the margin covers a load of 10 on two cores.
-  run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-  return {name: pool.submit(run, cmd) for name, cmd in _commands(out).items()}
+  return start_runs(_commands(out))
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +59,7 @@ def out_dir(tmp_path_factory):
 
 
 def output(name: str, out: pathlib.Path) -> str:
-  proc = _runs(out)[name].result()
-  assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-  return proc.stdout
+  return stdout_of(_runs(out), name)
 
 
 def table_rows(text: str) -> dict[str, list[str]]:
