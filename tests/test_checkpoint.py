@@ -299,9 +299,10 @@ def example_run(request, tmp_path_factory):
     proc.communicate()
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_example_runs(example_run):
   proc, out = example_run
-  stdout, stderr = proc.communicate(timeout=300)
+  stdout, stderr = proc.communicate(timeout=900)
   assert proc.returncode == 0, stdout + stderr
   assert "bit-identical to the uninterrupted one: True" in stdout
   assert "ValueError: the loss scaler restored" in stdout

@@ -1,8 +1,8 @@
 """16-bit parameters without float32 master weights: rounding, Kahan, 16-bit Adam.
 
-The 8-device scenarios run once, in a subprocess started at import
-(``tests/lp_worker.py`` sets ``XLA_FLAGS`` before importing jax), alongside the
-in-process tests; the last tests assert on what it reports.
+The 8-device scenarios run once, in a subprocess started with the module when one of
+its tests is selected (``tests/lp_worker.py`` sets ``XLA_FLAGS`` before importing jax),
+alongside the in-process tests; the last tests assert on what it reports.
 """
 
 import json
@@ -38,19 +38,33 @@ TESTS = Path(__file__).resolve().parent
 BF16 = ml_dtypes.bfloat16
 
 
+WORKER_TESTS = ("test_eight_devices_match_one", "test_eight_devices_details")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _worker_proc(request):
+  """Starts the 8-device worker when this module starts, only if one of its tests is
+  selected, so that it runs on the other core while the tests above run."""
+  if not any(item.originalname in WORKER_TESTS for item in request.session.items):
+    yield None
+    return
+  proc = subprocess.Popen(
+      [sys.executable, str(TESTS / "lp_worker.py")], cwd=TESTS.parent,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  yield proc
+  if proc.poll() is None:
+    proc.kill()
+    proc.communicate()
+
+
 @pytest.fixture(scope="module")
-def worker():
-  """What the 8-device worker (started at import, below) reported."""
-  out, err = _PROC.communicate(timeout=300)
-  assert _PROC.returncode == 0, err[-3000:]
+def worker(_worker_proc):
+  """What the 8-device worker reported."""
+  out, err = _worker_proc.communicate(timeout=900)
+  assert _worker_proc.returncode == 0, err[-3000:]
   return json.loads(out)
-
-
-_PROC = subprocess.Popen(
-    [sys.executable, str(TESTS / "lp_worker.py")], cwd=TESTS.parent,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    text=True,
-)  # fmt: skip
 
 
 def _bits(x):
@@ -427,6 +441,7 @@ def test_jit_with_named_sharding_matches_unsharded():
 # ---------------------------------------------------------------- 8 devices (subprocess)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["jit_8", "jit_4", "shard_map_8", "shard_map_2", "replicated_8"]
 )
@@ -438,6 +453,7 @@ def test_eight_devices_match_one(worker, name):
   assert got["moments"] == ref["moments"]  # mu, nu, Adam's count, the rounding's count
 
 
+@pytest.mark.slow
 def test_eight_devices_details(worker):
   assert worker["jit_8"]["sharded"] == 8
   assert worker["replicated_8"]["devices_agree"]
