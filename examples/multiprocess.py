@@ -1,6 +1,6 @@
 """Multi-process data parallel training with a loss scaler, on one machine.
 
-Run without ``--process-id`` it is the launcher: it picks a free port on
+Run without ``--process-id`` it is the launcher: it holds a free port on
 127.0.0.1 and starts ``--num-processes`` copies of itself, each with
 ``--local-devices`` virtual CPU devices, and waits for them (bounded by
 ``--timeout``, killing them if they overrun). Each copy joins the others with
@@ -29,16 +29,30 @@ def parse():
   ap.add_argument("--local-devices", type=int, default=2, help="virtual CPU devices per process")
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--bad-step", type=int, default=5, help="step at which one process overflows")
-  ap.add_argument("--timeout", type=float, default=300, help="seconds, launcher only")
+  ap.add_argument("--timeout", type=float, default=900, help="seconds, launcher only")
   ap.add_argument("--process-id", type=int, default=None, help="set by the launcher")
   ap.add_argument("--coordinator", default=None, help="host:port, set by the launcher")
   return ap.parse_args()
 
 
+def _held_port() -> socket.socket:
+  """A 127.0.0.1 port held until the run ends, so no other process takes it in between.
+
+  The coordinator binds with ``SO_REUSEPORT`` and shares it; where that option
+  does not exist, the port is closed and handed over (a small race).
+  """
+  s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  if hasattr(socket, "SO_REUSEPORT"):
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+  s.bind(("127.0.0.1", 0))
+  if not hasattr(socket, "SO_REUSEPORT"):
+    s.close()
+  return s
+
+
 def launch(args):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+  held = _held_port()
+  coordinator = f"127.0.0.1:{held.getsockname()[1]}"
   procs = [
       subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--process-id", str(i),
                         "--coordinator", coordinator])
@@ -47,6 +61,7 @@ def launch(args):
   try:
     codes = [p.wait(timeout=args.timeout) for p in procs]
   finally:
+    held.close()
     for p in procs:
       if p.poll() is None:
         p.send_signal(signal.SIGKILL)
@@ -54,17 +69,14 @@ def launch(args):
   sys.exit(max(codes, key=abs))
 
 
-def gloo_on_loopback():
-  """Single-machine demo only: pins gloo to 127.0.0.1 (jaxlib binds to the host name's address)."""
+def gloo_can_listen():
+  """Single-machine demo: gloo listens on the host name's address; exit 77 if it cannot."""
   try:
-    from jax._src import xla_bridge
-
-    make = xla_bridge._jax.make_gloo_tcp_collectives
-    xla_bridge._jax.make_gloo_tcp_collectives = lambda distributed_client, **_: make(
-        distributed_client=distributed_client, hostname="127.0.0.1")
-  except (ImportError, AttributeError):
-    if not socket.gethostbyname(socket.gethostname()).startswith("127."):
-      sys.exit(77)
+    with socket.socket() as s:
+      s.bind((socket.gethostbyname(socket.gethostname()), 0))
+  except OSError as e:
+    print(f"gloo cannot listen on the host name's address: {e}", file=sys.stderr)
+    sys.exit(77)
 
 
 def train(args):
@@ -73,10 +85,10 @@ def train(args):
 
   jax.config.update("jax_num_cpu_devices", args.local_devices)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if args.coordinator.startswith("127.0.0.1:"):
-    gloo_on_loopback()
+  gloo_can_listen()
+  bind = {"coordinator_bind_address": args.coordinator}  # loopback only, on the held port
   jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                             initialization_timeout=60)
+                             initialization_timeout=600, **bind)
   import jax.numpy as jnp
   import numpy as np
   import optax
