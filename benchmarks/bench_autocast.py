@@ -17,12 +17,23 @@ float32 between converts, so on CPU the lowered StableHLO is counted as well).
   python benchmarks/bench_autocast.py                   # CNN and MLP, float16 compute
   python benchmarks/bench_autocast.py --policy p=f32,c=bf16,o=f32 --rounds 21
   python benchmarks/bench_autocast.py --quick           # tiny sizes, a few seconds
+
+``--model gpt`` trains instead (issue 12): the character-level GPT of bench_bf16.py, written in
+plain float32 code with no dtype anywhere, for ``--gpt-steps`` steps and ``--seeds`` seeds, in
+float32 and with its loss function transformed by ``jmp_scaler.autocast(fn, policy)``, both
+through ``jmp_scaler.TrainState`` with ``optax.chain(jmp_scaler.dynamic_scale(), optax.adam)``
+and ``jmp_scaler.value_and_grad``. The table gives the final test loss and accuracy (mean +- sd
+over seeds), the skipped steps, and the difference from float32 in float32 seed sds.
+
+  python benchmarks/bench_autocast.py --model gpt       # 3 seeds x 1500 steps, about 2 minutes
+  python benchmarks/bench_autocast.py --model gpt --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
 import statistics
 import sys
@@ -37,6 +48,8 @@ import optax
 
 import jmp_scaler
 from jmp_scaler._autocast_fn import autocast
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 class CNN(nn.Module):
@@ -161,18 +174,94 @@ def bench_model(name, model_cls, kwargs, x, policy, args):
   return q[1]
 
 
+def train_gpt(args, policy):
+  """The char-GPT of bench_bf16.py in float32 and under autocast; prints the quality table."""
+  import bench_bf16  # the model and data: plain float32 code, no dtype annotations
+
+  task = bench_bf16.gpt_task(argparse.Namespace(
+      seq=args.seq, d_model=args.d_model, gpt_batch=args.gpt_batch, gpt_steps=args.gpt_steps,
+      gpt_lr=args.gpt_lr))  # fmt: skip
+  xtr, ytr = jnp.asarray(task.x_train), jnp.asarray(task.y_train)
+  xte, yte = jnp.asarray(task.x_test), jnp.asarray(task.y_test)
+  tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(task.lr))
+  setups = {"float32": task.loss_acc, f"autocast {policy}": autocast(task.loss_acc, policy)}
+
+  def make_train(apply_fn):
+    def loss_fn(params, x, y):
+      return apply_fn(params, x, y)[0]
+
+    @jax.jit
+    def train(seed):
+      state = jmp_scaler.TrainState.create(apply_fn=apply_fn, params=task.init(
+          jax.random.key(seed)), tx=tx)  # fmt: skip
+
+      def body(state, i):
+        key = jax.random.fold_in(jax.random.key(seed + 1000), i)
+        idx = jax.random.randint(key, (task.batch,), 0, len(ytr))
+        _, grads = jmp_scaler.value_and_grad(loss_fn, state)(state.params, xtr[idx], ytr[idx])
+        return state.apply_gradients(grads=grads), None
+
+      state, _ = jax.lax.scan(body, state, jnp.arange(task.steps))
+      loss, acc = state.apply_fn(state.params, xte, yte)
+      metrics = jmp_scaler.scale_metrics(state.opt_state)
+      return loss, acc, metrics["total_skips"], metrics["scale"]
+
+    return train
+
+  rows = {}
+  for label, apply_fn in setups.items():
+    train = make_train(apply_fn)
+    t0 = time.perf_counter()
+    out = [jax.device_get(train(seed)) for seed in range(args.seeds)]
+    rows[label] = {
+        "loss": np.array([float(o[0]) for o in out]), "acc": np.array([float(o[1]) for o in out]),
+        "skips": [int(o[2]) for o in out], "scale": [float(o[3]) for o in out],
+        "time": time.perf_counter() - t0,
+    }  # fmt: skip
+  ref = rows["float32"]["loss"]
+  sd = ref.std(ddof=1) if len(ref) > 1 else float("nan")
+  print(f"\nchar-GPT (d={args.d_model}, seq {args.seq}, 2 layers, 4 heads, batch "
+        f"{args.gpt_batch})  {args.gpt_steps} steps at Adam lr {args.gpt_lr}  {args.seeds} seeds"
+        f"  backend {jax.default_backend()}")  # fmt: skip
+  print(f"{'setup':28} {'test loss':>17} {'test acc':>15} {'skipped steps':>15} "
+        f"{'final scale':>12} {'loss - f32 (f32 sds)':>21} {'s':>6}")  # fmt: skip
+  for label, row in rows.items():
+    loss, acc = row["loss"], row["acc"]
+    diff = (loss.mean() - ref.mean()) / sd
+    print(f"{label:28} {loss.mean():8.4f} +- {loss.std(ddof=1) if len(loss) > 1 else 0:.4f} "
+          f"{acc.mean():7.4f} +- {acc.std(ddof=1) if len(acc) > 1 else 0:.4f} "
+          f"{'/'.join(map(str, row['skips'])):>15} {statistics.median(row['scale']):12.0f} "
+          f"{diff:+21.2f} {row['time']:6.1f}")  # fmt: skip
+  paired = rows[f"autocast {policy}"]["loss"] - ref
+  print(f"per-seed loss difference autocast - float32: "
+        f"{' '.join(f'{d:+.4f}' for d in paired)}")  # fmt: skip
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--policy", default="p=f32,c=f16,o=f32")
-  parser.add_argument("--model", choices=["cnn", "mlp", "all"], default="all")
+  parser.add_argument("--model", choices=["cnn", "mlp", "all", "gpt"], default="all",
+                      help="all: the CNN and MLP timings; gpt: train the char-GPT instead")
   parser.add_argument("--rounds", type=int, default=11)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--compiles", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds")
+  parser.add_argument("--seeds", type=int, default=3, help="--model gpt: seeds per setup")
+  parser.add_argument("--gpt-steps", type=int, default=None, help="1500 (30 with --quick)")
+  parser.add_argument("--gpt-lr", type=float, default=3e-3)
+  parser.add_argument("--gpt-batch", type=int, default=16)
+  parser.add_argument("--seq", type=int, default=32)
+  parser.add_argument("--d-model", type=int, default=32)
   args = parser.parse_args(argv)
   policy = jmp_scaler.get_policy(args.policy)
   if args.quick:
     args.rounds, args.steps, args.compiles = 3, 2, 1
+  if args.gpt_steps is None:
+    args.gpt_steps = 30 if args.quick else 1500
+  if args.model == "gpt":
+    train_gpt(args, policy)
+    return 0
   batch = 8 if args.quick else 64
   rng = np.random.default_rng(0)
   if args.model in ("cnn", "all"):

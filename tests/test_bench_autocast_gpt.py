@@ -1,0 +1,45 @@
+"""bench_autocast.py --model gpt --quick trains the char-GPT under autocast in float16."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a subprocess that compiles two training programs
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+@pytest.fixture(scope="module")
+def rows():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
+  out = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "bench_autocast.py"),
+                        "--model", "gpt", "--quick", "--gpt-steps", "60"],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=_ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  head = next(i for i, ln in enumerate(lines) if ln.startswith("setup"))
+  table = {}
+  for ln in lines[head + 1:head + 3]:
+    label, rest = ln.split("  ", 1)
+    cols = rest.split()  # loss +- sd acc +- sd skips scale diff seconds
+    table[label.split()[0]] = {"loss": float(cols[0]), "sd": float(cols[2]),
+                               "acc": float(cols[3]), "skips": cols[6]}
+  return table
+
+
+def test_table_has_both_setups(rows):
+  assert set(rows) == {"float32", "autocast"}
+  for row in rows.values():
+    assert row["skips"].count("/") == 2  # one count per seed
+
+
+def test_float16_autocast_trains_like_float32(rows):
+  f32, f16 = rows["float32"], rows["autocast"]
+  assert 0.0 < f16["loss"] < 4.0  # finite, and below the initial ~4.5 (ln of the vocabulary)
+  assert f32["loss"] < 4.0
+  # Within 5%, or 3 seed sds: a broken autocast (no gradient, wrong dtype flow) misses by far.
+  assert abs(f16["loss"] - f32["loss"]) < max(0.05 * f32["loss"], 3 * f32["sd"])
+  assert f16["acc"] > 0.8 * f32["acc"]
