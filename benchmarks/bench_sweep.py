@@ -8,6 +8,8 @@ step; the table compares each one with the no-scaler step:
   none          no scaler, no skip (the baseline of every ratio)
   ts_cond       jmp_scaler.TrainState, dynamic_scale(skip_mode="cond")
   ts_select     jmp_scaler.TrainState, dynamic_scale(skip_mode="select")
+  ts_select16   ts_select, the gradients taken of the float16 copies of the parameters
+                and promoted to float32 (bit-identical here: every leaf is used in float16)
   skip          jmp_scaler.skip_nonfinite(chain(dynamic_scale(), adam)) (skip_mode auto)
   accumulate    jmp_scaler.accumulate_gradients(chain(dynamic_scale(), adam), every_k=1)
   aif           optax.apply_if_finite(adam), static loss scale (optax has no dynamic one)
@@ -16,8 +18,9 @@ step; the table compares each one with the no-scaler step:
 Columns: ``step`` is the median over rounds of (variant / none in the same
 round); the rounds interleave the variants (rotating their order), so all of
 them see the same machine load, and ``IQR`` is the spread of that ratio over
-rounds. ``lower`` and ``compile`` are the first call's ``jit(...).lower`` and
-``.compile()`` times over none's (one measurement each: noisy at load), ``temp``
+rounds. ``lower`` and ``compile`` are the ``jit(...).lower`` and ``.compile()``
+times over none's, medians over ``--compile-rounds`` rounds (caches cleared before
+each), ``comp s`` the median compile time in seconds, ``temp``
 the compiled step's temporary memory in MiB (``memory_analysis``), ``+temp``
 its excess over none's, ``kernels`` the ops of the compiled entry computation,
 ``conds`` / ``selects`` / ``reduces`` the ``conditional`` / ``select`` / ``reduce``
@@ -56,7 +59,7 @@ import _models  # noqa: E402
 
 SCALE = 2.0**10  # every timed step is finite at this scale (checked)
 LR = 1e-4
-VARIANTS = ("none", "ts_cond", "ts_select", "skip", "accumulate", "aif", "bare")
+VARIANTS = ("none", "ts_cond", "ts_select", "ts_select16", "skip", "accumulate", "aif", "bare")
 
 
 def _scaler(mode="auto"):
@@ -92,6 +95,14 @@ def variants(model):
 
   out["ts_cond"] = train_state("cond")
   out["ts_select"] = train_state("select")
+  init, _, get_params, get_scale = out["ts_select"]
+
+  def c16_step(state, batch):  # gradients of the float16 copies, promoted to float32
+    p16 = jax.tree.map(lambda p: p.astype(jnp.float16), state.params)
+    g16 = jax.grad(lambda p: loss(p, batch) * state.loss_scale.astype(jnp.float16))(p16)
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g.astype(jnp.float32), g16))
+
+  out["ts_select16"] = (init, c16_step, get_params, get_scale)
 
   def optax_style(tx):
     def step(state, batch):
@@ -137,33 +148,43 @@ def _bits(tree):
   return [np.asarray(x).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
 
 
-def run(name, model, names, rounds, steps, hlo_dir=None):
+def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
   """Benchmarks the variants ``names`` (the first must be ``none``) on ``model``."""
   kp, kb = jax.random.split(jax.random.key(0))
   params = model.init(kp)
   batch = jax.device_put(model.batch_of(kb))
   table = variants(model)
   fns, states, info = {}, {}, {}
-  for v in names:
-    init, step, _, _ = table[v]
-    # Copies: init may hand out one buffer for equal constants, and each is donated.
-    state = jax.tree.map(jnp.copy, init(jax.tree.map(jnp.copy, params)))
-    t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    text = compiled.as_text()
-    info[v] = {"lower": t1 - t0, "compile": t2 - t1,
-               "temp": compiled.memory_analysis().temp_size_in_bytes, **hlo_stats(text)}
-    if hlo_dir:
-      os.makedirs(hlo_dir, exist_ok=True)
-      with open(os.path.join(hlo_dir, f"{name}_{v}.hlo.txt"), "w") as f:
-        f.write(text)
-    fns[v] = compiled
-    states[v] = jax.block_until_ready(compiled(state, batch))  # warm up
-    print(f"  {name} {v}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s", file=sys.stderr,
-          flush=True)
+  lowers, compiles = {v: [] for v in names}, {v: [] for v in names}
+  for r in range(compile_rounds):
+    for v in names[r % len(names):] + names[: r % len(names)]:
+      init, step, _, _ = table[v]
+      # Copies: init may hand out one buffer for equal constants, and each is donated.
+      state = jax.tree.map(jnp.copy, init(jax.tree.map(jnp.copy, params)))
+      jax.clear_caches()  # trace, lower and compile from scratch every round
+      t0 = time.perf_counter()
+      lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
+      t1 = time.perf_counter()
+      compiled = lowered.compile()
+      t2 = time.perf_counter()
+      lowers[v].append(t1 - t0)
+      compiles[v].append(t2 - t1)
+      print(f"  {name} {v}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s", file=sys.stderr,
+            flush=True)
+      if v in fns:
+        continue
+      text = compiled.as_text()
+      info[v] = {"temp": compiled.memory_analysis().temp_size_in_bytes, **hlo_stats(text)}
+      if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        with open(os.path.join(hlo_dir, f"{name}_{v}.hlo.txt"), "w") as f:
+          f.write(text)
+      fns[v] = compiled
+      states[v] = jax.block_until_ready(compiled(state, batch))  # warm up
+  for v in names:  # medians over rounds of the ratio to none in the same round
+    info[v]["lower"] = float(np.median(np.asarray(lowers[v]) / np.asarray(lowers["none"])))
+    info[v]["compile"] = float(np.median(np.asarray(compiles[v]) / np.asarray(compiles["none"])))
+    info[v]["compile_s"] = float(np.median(compiles[v]))
 
   times = {v: [] for v in names}
   order = list(names)
@@ -217,8 +238,8 @@ def _print_table(name, model, rounds, steps, rows):
     moved = {"none": "APPLIED", "bare": "moved (bare)"}.get(r["variant"], "APPLIED (bug)")
     kept = "kept" if r["kept"] else moved
     print(f"{r['variant']:<12}{r['ms']:>9.2f}{r['ratio']:>7.2f}{iqr:>11}"
-          f"{r['lower'] / base['lower']:>7.2f}{r['compile'] / base['compile']:>8.2f}"
-          f"{r['compile']:>8.2f}{r['temp'] / 2**20:>8.1f}{(r['temp'] - base['temp']) / 2**20:>7.1f}"
+          f"{r['lower']:>7.2f}{r['compile']:>8.2f}{r['compile_s']:>8.2f}"
+          f"{r['temp'] / 2**20:>8.1f}{(r['temp'] - base['temp']) / 2**20:>7.1f}"
           f"{r['kernels']:>8}{r['conds']:>6}{r['selects']:>8}{r['reduces']:>8}{r['lines']:>8}"
           f"  {'yes' if r['finite'] else 'NO':<6}  {kept}")
   sys.stdout.flush()
@@ -243,6 +264,8 @@ def main(argv=None):
                       help="comma-separated; none is always run first")
   parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
   parser.add_argument("--hlo", metavar="DIR", help="write each compiled step's HLO here")
+  parser.add_argument("--compile-rounds", type=int, default=3,
+                      help="times each step is traced, lowered and compiled (medians)")
   args = parser.parse_args(argv)
   zoo = models(args.quick)
   chosen = list(zoo) if args.models == "all" else args.models.split(",")
@@ -254,7 +277,8 @@ def main(argv=None):
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
   for name in chosen:
     steps = args.steps or (1 if args.quick or name == "gpt" else 3)
-    run(name, zoo[name], names, rounds, steps, args.hlo)
+    run(name, zoo[name], names, rounds, steps, args.hlo,
+        1 if args.quick else args.compile_rounds)
 
 
 if __name__ == "__main__":

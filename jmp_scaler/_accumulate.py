@@ -212,7 +212,10 @@ def accumulate_gradients(
         inner_state = replace_scale_state(inner_state, skipped)
       return zeros, inner_state
 
-    out, inner_state = apply_or_skip(scaler, run, apply, wait)
+    # The chain runs on one call in k: skipping the other k - 1 under a conditional
+    # beats running the optimizer on every micro-batch, whatever the backend.
+    auto = "cond" if k > 1 else "select"
+    out, inner_state = apply_or_skip(scaler, run, apply, wait, auto)
     dropped = jnp.where(finite, state.dropped, optax.safe_increment(state.dropped))
     new_state = AccumulationState(
         mini_step=jnp.where(at_end, 0, mini_step).astype(jnp.int32),

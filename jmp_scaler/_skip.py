@@ -46,11 +46,20 @@ def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
   return replace_scale_state(opt_state, next_state(scaler, False))
 
 
-def uses_cond(scaler: LossScaleState) -> bool:
-  """Whether to skip with ``lax.cond`` (else with a fused ``jnp.where``)."""
+def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
+  """Whether to skip with ``lax.cond`` (else with a fused ``jnp.where``).
+
+  ``skip_mode="auto"`` picks ``auto``: ``"select"`` for a step-by-step skip
+  (on TPU ``"cond"``, whose conditional runs on the device), ``"cond"`` where
+  the caller runs the chain on few of its calls (``accumulate_gradients``).
+  On XLA:CPU the select costs x1.1 of a step without a scaler and no memory
+  at 64-256 leaves, the conditional x1.6 and a gradient copy (its operands
+  are relaid out); XLA:GPU reads a conditional's predicate on the host.
+  BENCHMARKS.md, "Leaf-count sweep", has the figures.
+  """
   mode = scaler.config.skip_mode
   if mode == "auto":
-    return jax.default_backend() != "gpu"
+    return auto == "cond" or jax.default_backend() == "tpu"
   return mode == "cond"
 
 
@@ -59,6 +68,7 @@ def apply_or_skip(
     finite: jax.Array,
     apply: Callable[[Any], Any],
     skip: Callable[[Any], Any],
+    auto: str = "select",
 ):
   """``apply(True)`` if ``finite`` else ``skip(shapes)``, without a host sync.
 
@@ -74,7 +84,8 @@ def apply_or_skip(
   ``shard_map``, the mesh axes along which they vary. In ``"cond"`` mode
   (also without a scaler) a ``lax.cond`` runs one of the two; in
   ``"select"`` mode both run and ``jnp.where`` keeps one, leaf by leaf, as
-  each output is made (see :func:`_eval_selecting`).
+  each output is made (see :func:`_eval_selecting`). ``auto`` is the mode
+  that ``skip_mode="auto"`` stands for (:func:`uses_cond`).
   """
   closed, shapes = jax.make_jaxpr(lambda: apply(True), return_shape=True)()
   treedef = jax.tree.structure(shapes)
@@ -86,7 +97,7 @@ def apply_or_skip(
   def skip_typed():
     return jax.tree.map(match_varying, skip(shapes), shapes)
 
-  if scaler is None or uses_cond(scaler):
+  if scaler is None or uses_cond(scaler, auto):
     return jax.lax.cond(finite, applied, skip_typed)
   kept = treedef.flatten_up_to(skip_typed())
   return jax.tree.unflatten(treedef, _eval_selecting(closed, finite, kept))

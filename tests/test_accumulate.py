@@ -239,6 +239,16 @@ def test_select_mode_gives_the_same_windows_as_cond_mode():
   _assert_close(p1, p2)
 
 
+@pytest.mark.parametrize("k, cond", [(1, False), (K, True)])
+def test_auto_skip_mode_runs_the_chain_under_cond_when_it_runs_once_a_window(k, cond):
+  # every_k > 1: the optimizer runs on one call in k, so the conditional skips the
+  # other k - 1 (select would run Adam on every micro-batch); every_k == 1 is a plain skip.
+  params = _params()
+  tx = _tx(k=k)
+  jaxpr = str(jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, tx.init(params)))
+  assert ("cond[" in jaxpr) is cond
+
+
 def test_without_a_scaler_the_mean_is_over_finite_micro_batches():
   params = _params()
   tx = jmp_scaler.accumulate_gradients(optax.sgd(1.0), K)

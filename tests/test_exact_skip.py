@@ -188,10 +188,10 @@ def test_skipped_step_keeps_extra_fields_like_batch_stats(mode):
 
 
 @pytest.mark.parametrize("backend, mode, cond", [
-    ("cpu", "auto", True), ("tpu", "auto", True), ("gpu", "auto", False), ("gpu", "cond", True),
-    ("cpu", "select", False),
+    ("cpu", "auto", False), ("tpu", "auto", True), ("gpu", "auto", False), ("gpu", "cond", True),
+    ("cpu", "select", False), ("cpu", "cond", True),
 ])
-def test_auto_skip_mode_follows_the_backend(monkeypatch, backend, mode, cond):
+def test_auto_skip_mode_is_select_but_on_tpu(monkeypatch, backend, mode, cond):
   from jmp_scaler import _skip
 
   monkeypatch.setattr(_skip.jax, "default_backend", lambda: backend)
