@@ -229,15 +229,17 @@ def dynamic_scale(
       :func:`jmp_scaler.skip_nonfinite`, :class:`jmp_scaler.NNXOptimizer` and
       :func:`jmp_scaler.accumulate_gradients` skip: ``"select"`` always runs
       the optimizer and keeps the old values with ``jnp.where``, leaf by leaf
-      as the chain makes them (no branch, no extra memory: on XLA:CPU x1.1 of
-      a step without a scaler at 64-256 leaves), ``"cond"`` runs it under
-      ``lax.cond`` (nothing is computed on a skip, but XLA:CPU relays out the
-      branch's operands, x1.6 and one gradient copy there, and XLA:GPU copies
-      the predicate to the host and waits for the stream, unless conditionals
-      are put in command buffers). ``"auto"`` picks ``"select"``, except on
-      TPU and in ``accumulate_gradients`` with ``every_k > 1`` (which runs the
-      optimizer on one call in ``every_k``): ``"cond"``. Both modes take
-      the same decision and skip the same steps; a skipped step leaves the
+      as the chain makes them (no branch, no extra memory); ``"cond"`` runs it
+      under ``lax.cond`` (nothing is computed on a skip, but XLA:GPU copies the
+      predicate to the host and waits for the stream, unless conditionals are
+      put in command buffers, and XLA:CPU relays out the branch's operands,
+      one gradient copy). ``"auto"``, when the step is traced: ``"select"`` on
+      GPU; ``"cond"`` on TPU and in ``accumulate_gradients`` with
+      ``every_k > 1`` (the optimizer runs on one call in ``every_k``); on CPU
+      ``"cond"`` if leaves of 2**19 elements and more hold most of the
+      parameters (the relayout then makes the optimizer read them
+      contiguously), else ``"select"`` (BENCHMARKS.md, "Leaf-count sweep").
+      Both modes take the same decision and skip the same steps; a skipped step leaves the
       parameters and every optimizer state but the scaler's bit-identical, and
       the scaler's state is bit-identical between the modes. Applied steps
       agree to rounding, not bit for bit: XLA fuses a conditional's branch

@@ -9,6 +9,7 @@ mode) the chain always runs and a fused ``jnp.where`` keeps the old values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +21,15 @@ from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from jmp_scaler._distributed import match_varying
+from jmp_scaler._leaves import is_floating
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
-from jmp_scaler._scaler import FINITE_KEY, LossScaleState, decision, next_state
+from jmp_scaler._scaler import (
+    FINITE_KEY,
+    SUM_FROM_SIZE,
+    LossScaleState,
+    decision,
+    next_state,
+)
 
 
 def find_and_decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
@@ -46,21 +54,35 @@ def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
   return replace_scale_state(opt_state, next_state(scaler, False))
 
 
-def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
+def uses_cond(scaler: LossScaleState, auto: str = "select", shapes: Any = None) -> bool:
   """Whether to skip with ``lax.cond`` (else with a fused ``jnp.where``).
 
-  ``skip_mode="auto"`` picks ``auto``: ``"select"`` for a step-by-step skip
-  (on TPU ``"cond"``, whose conditional runs on the device), ``"cond"`` where
-  the caller runs the chain on few of its calls (``accumulate_gradients``).
-  On XLA:CPU the select costs x1.1 of a step without a scaler and no memory
-  at 64-256 leaves, the conditional x1.6 and a gradient copy (its operands
-  are relaid out); XLA:GPU reads a conditional's predicate on the host.
+  ``skip_mode="auto"`` stands for ``auto``: ``"cond"`` where the caller runs
+  the chain on few of its calls (``accumulate_gradients``), else, for a
+  step-by-step skip, by backend. TPU: ``"cond"`` (its conditional runs on
+  the device). GPU: ``"select"`` (XLA:GPU reads a conditional's predicate on
+  the host). CPU: ``"cond"`` when leaves of :data:`SUM_FROM_SIZE` elements
+  and more hold at least half of the floating elements of ``shapes`` (the
+  updates), else ``"select"``: XLA:CPU relays out a conditional's operands,
+  which costs a copy of every gradient but makes the optimizer read each
+  large weight gradient contiguously instead of transposed (x0.8-1.2 of a
+  step without a scaler on 1024x1024 leaves, against x1.3 for select;
+  x1.6 at 64-256 leaves of 181-362 squared, against x1.1-1.2).
   BENCHMARKS.md, "Leaf-count sweep", has the figures.
   """
   mode = scaler.config.skip_mode
-  if mode == "auto":
-    return auto == "cond" or jax.default_backend() == "tpu"
-  return mode == "cond"
+  if mode != "auto":
+    return mode == "cond"
+  backend = jax.default_backend()
+  if auto == "cond" or backend == "tpu":
+    return True
+  return backend == "cpu" and _mostly_large(shapes)
+
+
+def _mostly_large(shapes: Any) -> bool:
+  sizes = [math.prod(s.shape) for s in jax.tree.leaves(shapes) if is_floating(s)]
+  large = sum(n for n in sizes if n >= SUM_FROM_SIZE)
+  return large > 0 and 2 * large >= sum(sizes)
 
 
 def apply_or_skip(
@@ -97,7 +119,7 @@ def apply_or_skip(
   def skip_typed():
     return jax.tree.map(match_varying, skip(shapes), shapes)
 
-  if scaler is None or uses_cond(scaler, auto):
+  if scaler is None or uses_cond(scaler, auto, shapes[0]):
     return jax.lax.cond(finite, applied, skip_typed)
   kept = treedef.flatten_up_to(skip_typed())
   return jax.tree.unflatten(treedef, _eval_selecting(closed, finite, kept))

@@ -187,19 +187,23 @@ def test_skipped_step_keeps_extra_fields_like_batch_stats(mode):
   np.testing.assert_array_equal(applied.batch_stats["mean"], np.full(2, 5.0))
 
 
-@pytest.mark.parametrize("backend, mode, cond", [
-    ("cpu", "auto", False), ("tpu", "auto", True), ("gpu", "auto", False), ("gpu", "cond", True),
-    ("cpu", "select", False), ("cpu", "cond", True),
+@pytest.mark.parametrize("backend, mode, shape, cond", [
+    ("cpu", "auto", (2,), False), ("tpu", "auto", (2,), True), ("gpu", "auto", (2,), False),
+    ("gpu", "cond", (2,), True), ("cpu", "select", (2,), False), ("cpu", "cond", (2,), True),
+    # On CPU, large leaves are relaid out by a conditional, which pays: cond.
+    ("cpu", "auto", (1024, 512), True), ("gpu", "auto", (1024, 512), False),
+    ("cpu", "auto", (1024, 511), False),  # just under 2**19 elements
 ])
-def test_auto_skip_mode_is_select_but_on_tpu(monkeypatch, backend, mode, cond):
+def test_auto_skip_mode_follows_the_backend_and_the_leaf_sizes(
+    monkeypatch, backend, mode, shape, cond
+):
   from jmp_scaler import _skip
 
   monkeypatch.setattr(_skip.jax, "default_backend", lambda: backend)
-  state = jmp_scaler.dynamic_scale(skip_mode=mode).init(None)
-  assert _skip.uses_cond(state) is cond
   tx = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), optax.sgd(0.1))
-  train = jmp_scaler.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
-  jaxpr = str(jax.make_jaxpr(lambda s: s.apply_gradients(grads={"w": jnp.ones(2)}))(train))
+  params = {"w": jnp.ones(shape), "b": jnp.ones(shape[-1:])}
+  train = jmp_scaler.TrainState.create(apply_fn=None, params=params, tx=tx)
+  jaxpr = str(jax.make_jaxpr(lambda s: s.apply_gradients(grads=params))(train))
   assert ("cond[" in jaxpr) is cond
 
 
