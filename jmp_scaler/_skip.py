@@ -9,6 +9,7 @@ mode) the chain always runs and a fused ``jnp.where`` keeps the old values.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -139,13 +140,20 @@ def _eval_selecting(closed: Any, finite: jax.Array, kept: list) -> list:
   back by the parameter update, as in a step without a scaler.
   """
   jaxpr = closed.jaxpr
-  outvars = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
-  once = {v for v in outvars if outvars.count(v) == 1}
-  at = {v: i for i, v in enumerate(jaxpr.outvars) if v in once}
-  env: dict[Any, Any] = {}
+  is_var = lambda v: not isinstance(v, Literal)  # noqa: E731
+  outvars = [v for v in jaxpr.outvars if is_var(v)]
+  at = {v: i for i, v in enumerate(jaxpr.outvars) if is_var(v) and outvars.count(v) == 1}
+  env: dict[Any, Any] = {}  # what the later equations read
+  chosen: dict[Any, Any] = {}  # the selected outputs
 
   def write(v, x):
-    env[v] = jnp.where(finite, x, kept[at[v]]) if v in at else x
+    env[v] = x
+    if v in at:
+      chosen[v] = jnp.where(finite, x, kept[at[v]])
+      # Read back only where it has the type the equations were traced with (inside
+      # shard_map a selected value may vary along more mesh axes than ``x``).
+      if jax.typeof(chosen[v]) == jax.typeof(x):
+        env[v] = chosen[v]
 
   def read(v):
     return v.val if isinstance(v, Literal) else env[v]
@@ -154,12 +162,14 @@ def _eval_selecting(closed: Any, finite: jax.Array, kept: list) -> list:
     write(v, x)
   for eqn in jaxpr.eqns:
     info = eqn.source_info
-    with source_info_util.user_context(info.traceback, name_stack=info.name_stack), eqn.ctx.manager:
+    ctx = getattr(eqn, "ctx", None)  # the equation's context (e.g. its sharding mesh)
+    manager = ctx.manager if ctx is not None else contextlib.nullcontext()
+    with source_info_util.user_context(info.traceback, name_stack=info.name_stack), manager:
       outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
     for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs], strict=True):
       write(v, x)
   return [
-    read(v) if v in at else jnp.where(finite, read(v), k)
+    chosen[v] if is_var(v) and v in at else jnp.where(finite, read(v), k)
     for v, k in zip(jaxpr.outvars, kept, strict=True)
   ]
 

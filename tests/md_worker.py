@@ -56,8 +56,9 @@ def loss_fn(p, x, y):
   return jnp.mean((h @ p["w2"] - y) ** 2)
 
 
-def new_state(axis_name=None):
-  tx = optax.chain(jmp_scaler.dynamic_scale(SCALE, axis_name=axis_name), optax.adam(LR))
+def new_state(axis_name=None, skip_mode="auto"):
+  scaler = jmp_scaler.dynamic_scale(SCALE, axis_name=axis_name, skip_mode=skip_mode)
+  tx = optax.chain(scaler, optax.adam(LR))
   return jmp_scaler.TrainState.create(apply_fn=None, params=init_params(), tx=tx)
 
 
@@ -187,9 +188,9 @@ def jit_scenario(fsdp):
 # shard_map, FSDP-style: each device holds a block of params, grads, moments.
 
 
-def shard_map_setup(axis_name, check=False):
+def shard_map_setup(axis_name, check=False, skip_mode="auto"):
   mesh = jax.make_mesh((N,), ("d",))
-  state = new_state(axis_name)
+  state = new_state(axis_name, skip_mode)
 
   def spec(a):
     return P("d") if a.ndim and a.shape[0] % N == 0 else P()
@@ -237,17 +238,21 @@ def error_of(thunk):
 def shard_map_scenario():
   state, scales, in_sync = run_shard_map(*shard_map_setup("d", check=True))
   ref, ref_scales = reference(poison_grads=True)
-  # Without axis_name the devices drift apart silently: check_vma does not see it, because
-  # lax.cond on a varying predicate returns values typed as replicated (jax-ml/jax#40823) ...
-  _, drift, drift_in_sync = run_shard_map(*shard_map_setup(None))
-  # ... check_axis_name does, at trace time.
+  # Without axis_name, under lax.cond, the devices drift apart silently: check_vma does not
+  # see it, because lax.cond on a varying predicate returns values typed as replicated
+  # (jax-ml/jax#40823) ...
+  _, drift, drift_in_sync = run_shard_map(*shard_map_setup(None, skip_mode="cond"))
+  # ... check_axis_name does, at trace time, in either mode; and a select on a varying
+  # decision makes the scaler's state varying, which shard_map refuses for its P() specs.
   named = error_of(lambda: run_shard_map(*shard_map_setup(None, check=True)))
+  select = error_of(lambda: run_shard_map(*shard_map_setup(None, skip_mode="select")))
   return {
       "per_device_scales": scales,
       "ref_scales": ref_scales,
       "rel_diff": rel_diff(state.params, ref.params),
       "step": int(state.step),
       "no_axis_check_error": named,
+      "no_axis_select_error": select,
       "no_axis_unchecked_scales": drift,
       "in_sync": in_sync,
       "no_axis_in_sync": drift_in_sync,
