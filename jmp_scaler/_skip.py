@@ -4,7 +4,8 @@ A chain head cannot undo what the transformations after it do, so the skip is
 taken around the chain: the finiteness decision is made first (one read of
 the gradients), then either ``lax.cond`` runs the whole chain or leaves every
 state untouched except the scaler's own, which backs off; or (``"select"``
-mode) the chain always runs and a fused ``jnp.where`` keeps the old values.
+mode) the chain always runs and a fused ``jnp.where`` keeps the old values,
+each output chosen as the chain makes it (:func:`apply_or_skip`).
 """
 
 from __future__ import annotations
