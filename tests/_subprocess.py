@@ -5,6 +5,7 @@ import functools
 import os
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -26,4 +27,18 @@ def stdout_of(runs: dict[str, concurrent.futures.Future], name: str) -> str:
   """The run's standard output, once it has succeeded (its output tails if not)."""
   proc = runs[name].result()
   assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+  return proc.stdout
+
+
+def run_benchmark(script: str, *args: str) -> str:
+  """Runs ``benchmarks/<script> *args`` on the CPU; returns its standard output once it succeeds.
+
+  Benchmarks run with tiny sizes here, where compilation dominates: XLA:CPU's
+  default codegen spends seconds per step, these flags a tenth of that.
+  """
+  flags = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=900)  # load 10: margin
+  assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
   return proc.stdout

@@ -1,25 +1,16 @@
 """bench_autocast.py --model gpt --quick trains the char-GPT under autocast in float16."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess that compiles two training programs
+from tests._subprocess import run_benchmark
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+pytestmark = pytest.mark.slow  # a subprocess that compiles two training programs
 
 
 @pytest.fixture(scope="module")
 def rows():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
-  out = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "bench_autocast.py"),
-                        "--model", "gpt", "--quick", "--gpt-steps", "60"],
-                       capture_output=True, text=True, env=env, timeout=900, cwd=_ROOT)
-  assert out.returncode == 0, out.stderr[-3000:]
-  lines = out.stdout.splitlines()
+  lines = run_benchmark("bench_autocast.py", "--model", "gpt", "--quick", "--gpt-steps",
+                        "60").splitlines()
   head = next(i for i, ln in enumerate(lines) if ln.startswith("setup"))
   table = {}
   for ln in lines[head + 1:head + 3]:

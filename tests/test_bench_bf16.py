@@ -1,25 +1,15 @@
 """benchmarks/bench_bf16.py --quick runs, and its tables say what the docs claim."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess that compiles about twenty programs
+from tests._subprocess import run_benchmark
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+pytestmark = pytest.mark.slow  # a subprocess that compiles about twenty programs
 
 
 @pytest.fixture(scope="module")
 def output():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
-  out = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "bench_bf16.py"),
-                        "--quick"], capture_output=True, text=True, env=env, timeout=900,
-                       cwd=_ROOT)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout
+  return run_benchmark("bench_bf16.py", "--quick")
 
 
 def _table(text, number):

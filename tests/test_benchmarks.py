@@ -1,28 +1,13 @@
 """The benchmark scripts run (tiny sizes, in a subprocess) and print every variant."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from tests._subprocess import run_benchmark
+
 pytestmark = pytest.mark.slow  # every test waits for a subprocess
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Tiny graphs: compile fast (XLA:CPU's default codegen spends seconds per step).
-_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-
-
-def _run(script, *args):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
-  out = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "benchmarks", script), *args],
-      capture_output=True, text=True, env=env, timeout=900, cwd=_ROOT,  # load 10: wide margin
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout
 
 
 def _rows(table):
@@ -39,7 +24,7 @@ def _rows(table):
 
 @pytest.fixture(scope="module")
 def cpu_tables(tmp_path_factory):
-  out = _run("bench_cpu.py", "--quick", "--profile", str(tmp_path_factory.mktemp("trace")))
+  out = run_benchmark("bench_cpu.py", "--quick", "--profile", str(tmp_path_factory.mktemp("trace")))
   tables = re.split(r"\n## ", out)[1:]
   return {t.split(":")[0]: t for t in tables}
 
@@ -82,7 +67,7 @@ def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
 
 
 def test_bench_gpu_quick_runs_on_cpu():
-  out = _run("bench_gpu.py", "--quick")
+  out = run_benchmark("bench_gpu.py", "--quick")
   rows = _rows(out)
   names = ["fp32", "bf16", "fp16", "fp16+cond", "fp16+select", "fp16+optax"]
   assert list(rows) == names

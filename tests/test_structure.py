@@ -7,10 +7,7 @@ ops copied into every kernel that reads the decision (which made select mode's
 compile time grow with the square of the leaf count).
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +18,7 @@ from jmp_scaler._accumulate import accumulate_gradients
 from jmp_scaler._scaler import dynamic_scale
 from jmp_scaler._skip import skip_nonfinite
 from jmp_scaler._train_state import TrainState
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+from tests._subprocess import run_benchmark
 
 
 def _params(n):
@@ -132,14 +127,8 @@ def test_the_chain_is_traced_once_per_step():
 
 @pytest.mark.slow
 def test_bench_sweep_quick_prints_every_variant():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": _FAST_XLA}
-  out = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_sweep.py"), "--quick",
-       "--models", "mlp8,gpt"],
-      capture_output=True, text=True, env=env, timeout=300, cwd=_ROOT,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  tables = re.split(r"\n## ", out.stdout)[1:]
+  out = run_benchmark("bench_sweep.py", "--quick", "--models", "mlp8,gpt")
+  tables = re.split(r"\n## ", out)[1:]
   assert [t.split(":")[0] for t in tables] == ["mlp8", "gpt"]
   expected = ["none", "ts_cond", "ts_select", "ts_select16", "skip", "accumulate", "aif", "bare"]
   for table in tables:
