@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import is_floating, math_dtype
+from jmp_scaler._leaves import is_floating, math_dtype, row_major
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
 from jmp_scaler._scaler import (
   FINITE_KEY,
@@ -164,6 +164,7 @@ def accumulate_gradients(
 
   def update_fn(updates, state, params=None, **extra_args):
     extra_args = dict(extra_args)
+    updates = row_major(updates)  # read in order by the check and the sum
     scaler = find_scale_state(state.inner_state)
     ref = scaler if scaler is not None else no_scale().init(None)
     finite = jnp.asarray(decision(updates, ref, extra_args), jnp.bool_)

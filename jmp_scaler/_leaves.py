@@ -8,6 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:  # pinning a layout: XLA:CPU's choice for a weight gradient costs every reader
+  from jax.experimental.layout import Layout as _Layout
+  from jax.experimental.layout import with_layout_constraint as _with_layout_constraint
+except ImportError:  # pragma: no cover - a jax without the API keeps XLA's layouts
+  _Layout = _with_layout_constraint = None
+
 FLOAT32 = np.dtype(jnp.float32)
 
 
@@ -45,3 +51,32 @@ def real_parts(x: jax.Array) -> jax.Array:
   if jnp.iscomplexobj(x):
     return jnp.stack([jnp.real(x), jnp.imag(x)])
   return x
+
+
+def row_major(tree: Any) -> Any:
+  """``tree`` with every floating leaf of two or more axes laid out row-major (XLA:CPU only).
+
+  JAX makes a weight's gradient as ``transpose(dot_general(...))``, and
+  XLA:CPU keeps it in the order the dot wrote it, transposed against the
+  parameter. Each later reader pays for that: the finiteness check copies
+  its predicate into the logical order, Adam reads the gradient with strides
+  in each of its moment updates, and a ``lax.cond`` copies every such operand
+  back inside its branch. Laid out once as the parameters are, by the kernel
+  that makes it, the gradient is read in order by all of them: x1.5-1.9 per
+  step for ``cond`` at 64-256 leaves came down to x1.1, and 8 leaves of
+  1024x1024 run x0.6 of a step without a scaler, whose Adam reads them with
+  strides (BENCHMARKS.md, "Leaf-count sweep"). Other backends choose their
+  own layouts (not measured there), and with several devices the constraint
+  made XLA's partitioner gather sharded gradients (two more all-gathers on an
+  FSDP step, ``tests/test_multidevice.py``): there the tree is returned as it is.
+  """
+  if (_with_layout_constraint is None or jax.default_backend() != "cpu"
+      or jax.device_count() != 1):
+    return tree
+
+  def one(x):
+    if is_floating(x) and x.ndim >= 2:
+      return _with_layout_constraint(x, _Layout(tuple(range(x.ndim))))
+    return x
+
+  return jax.tree.map(one, tree)

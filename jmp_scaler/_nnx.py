@@ -102,7 +102,7 @@ class NNXOptimizer(nnx.Optimizer):
     snapshot, current = _restorable(model, restore_on_skip, self.graph)
     opt_state = nnx.as_pure(self.opt_state)
     grads_in = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    scaler, finite = find_and_decide(grads_in, opt_state, {})
+    scaler, finite, grads_in = find_and_decide(grads_in, opt_state, {})
     if scaler is None:
       return super().update(model, grads, **kwargs)
     grads = grads_in

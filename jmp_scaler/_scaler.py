@@ -19,7 +19,7 @@ import optax
 from flax import struct
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype
+from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, row_major
 
 _F32 = validation.F32
 #: Default lower bound of the scale: the smallest normal float32, so ``1/scale``
@@ -150,6 +150,7 @@ def _transformation(
   def update_fn(updates, state, params=None, **extra_args):
     del params
     refuse_partial_updates(updates)
+    updates = row_major(updates)  # a no-op where a wrapper did it already
     decided = extra_args.get(FINITE_KEY)
     if decided is None and not bare and not _BARE_WARNED:
       _BARE_WARNED.append(True)
@@ -355,11 +356,6 @@ def no_scale(
 # --------------------------------------------------------------------------
 # The pieces of the update, shared with TrainState and skip_nonfinite.
 
-#: Leaves from this many elements are checked with ``sum(u - u)`` on a single
-#: CPU device, smaller ones with ``all(isfinite(u))`` (see :func:`all_finite`).
-SUM_FROM_SIZE = 2**19
-
-
 def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(pre, inv)`` with ``g * pre * inv == g * (1 / scale)`` and both factors normal.
 
@@ -391,26 +387,8 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   return jax.tree.map(lambda g: _unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
 
 
-def _count_by_sum() -> bool:
-  """Whether large leaves may be reduced with ``sum(u - u)`` rather than ``all(isfinite(u))``.
-
-  On XLA:CPU with one device the float add-reduction is the fast path for
-  large leaves (an ``isfinite`` and-reduction materialises a boolean array
-  first: x1.1-1.3 per step on a 4x1024 MLP, see BENCHMARKS.md); below
-  :data:`SUM_FROM_SIZE` elements it costs more than it saves (XLA:CPU makes a
-  transposed copy of the gradient for it). With several devices the
-  gradients may be sharded, and XLA then folds the decision's float
-  all-reduces into the gradients' own, splitting them into several; the
-  boolean reduction stays one scalar all-reduce of its own. Both are exact.
-  """
-  return jax.default_backend() == "cpu" and jax.device_count() == 1
-
-
-def _leaf_finite(g: jax.Array, pre: jax.Array, inv: jax.Array, by_sum: bool) -> jax.Array:
-  u = _unscale_leaf(g, pre, inv)
-  if by_sum and u.size >= SUM_FROM_SIZE:
-    return jnp.logical_not(jnp.isnan(jnp.sum(u - u)))
-  return jnp.all(jnp.isfinite(u))
+def _leaf_finite(g: jax.Array, pre: jax.Array, inv: jax.Array) -> jax.Array:
+  return jnp.all(jnp.isfinite(_unscale_leaf(g, pre, inv)))
 
 
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
@@ -424,22 +402,23 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   ``state.config.axis_name`` set, the decision is reduced over those mapped
   axes: every device returns the same value.
 
-  The per-leaf reduction is ``all(isfinite(u))``, or, for leaves of
-  :data:`SUM_FROM_SIZE` elements and more on a single CPU device, where it is
-  faster, ``sum(u - u)``: 0 for finite ``u``, NaN for inf or NaN, and a float
-  sum propagates NaN (a max-reduction would not: XLA:CPU's drops NaN from
-  4096 elements up). The per-leaf flags are combined by one ``min``-reduction
-  over an int32 vector, which XLA keeps as one materialised value: combined
-  as ``all(stack(flags))`` (or a sum of partial sums) XLA rewrites them into
-  a chain of scalar ops and copies that chain into every kernel that reads
-  the decision, so compile time grew with the square of the leaf count
-  (BENCHMARKS.md, "Leaf-count sweep"). Neither reduction survives fast-math
-  flags, which let XLA assume that no inf or NaN exists
+  The per-leaf reduction is ``all(isfinite(u))`` (a max-reduction would not
+  do: XLA:CPU's drops NaN from 4096 elements up). On XLA:CPU the callers hand
+  it the gradients laid out row-major (:func:`jmp_scaler._leaves.row_major`),
+  so it reads each one in order. (A ``sum(u - u)`` reduction was faster on a
+  gradient left as its dot wrote it; on row-major ones it is slower: x0.56-0.71
+  against x0.51-0.52 per step, +12.0 against +4.8 MiB, on 8 leaves of
+  1024x1024, BENCHMARKS.md.) The per-leaf flags are combined by one
+  ``min``-reduction over an int32 vector, which XLA keeps as one materialised
+  value: combined as ``all(stack(flags))`` (or a sum of partial sums) XLA
+  rewrites them into a chain of scalar ops and copies that chain into every
+  kernel that reads the decision, so compile time grew with the square of
+  the leaf count (BENCHMARKS.md, "Leaf-count sweep"). The check does not
+  survive fast-math flags, which let XLA assume that no inf or NaN exists
   (:func:`dynamic_scale` warns).
   """
-  by_sum = _count_by_sum()
   pre, inv = reciprocal(state.scale)
-  flags = [_leaf_finite(g, pre, inv, by_sum) for g in floating_leaves(grads)]
+  flags = [_leaf_finite(g, pre, inv) for g in floating_leaves(grads)]
   if flags:
     finite = jnp.min(jnp.stack(flags).astype(jnp.int32)) > 0
   else:

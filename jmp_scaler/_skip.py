@@ -11,7 +11,6 @@ each output chosen as the chain makes it (:func:`apply_or_skip`).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,27 +22,29 @@ from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from jmp_scaler._distributed import match_varying
-from jmp_scaler._leaves import is_floating
+from jmp_scaler._leaves import row_major
 from jmp_scaler._lookup import find_scale_state, replace_scale_state
 from jmp_scaler._scaler import (
-    FINITE_KEY,
-    SUM_FROM_SIZE,
-    LossScaleState,
-    decision,
-    next_state,
+  FINITE_KEY,
+  LossScaleState,
+  decision,
+  next_state,
 )
 
 
 def find_and_decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
-  """The scaler state in ``opt_state`` and the finiteness decision for ``grads``.
+  """The scaler state in ``opt_state``, the finiteness decision, and ``grads`` to apply.
 
-  Returns ``(None, None)`` when ``opt_state`` holds no scaler, and reuses a
-  decision already handed down through ``extra_args`` by an outer wrapper.
+  Returns ``(None, None, grads)`` when ``opt_state`` holds no scaler, and
+  reuses a decision already handed down through ``extra_args`` by an outer
+  wrapper. Otherwise the gradients come back :func:`row_major`: the check
+  and the chain both read those.
   """
   scaler = find_scale_state(opt_state)
   if scaler is None:
-    return None, None
-  return scaler, decision(grads, scaler, extra_args)
+    return None, None, grads
+  grads = row_major(grads)
+  return scaler, decision(grads, scaler, extra_args), grads
 
 
 def noop_updates(shapes: Any) -> Any:
@@ -56,35 +57,25 @@ def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
   return replace_scale_state(opt_state, next_state(scaler, False))
 
 
-def uses_cond(scaler: LossScaleState, auto: str = "select", shapes: Any = None) -> bool:
+def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
   """Whether to skip with ``lax.cond`` (else with a fused ``jnp.where``).
 
   ``skip_mode="auto"`` stands for ``auto``: ``"cond"`` where the caller runs
   the chain on few of its calls (``accumulate_gradients``), else, for a
   step-by-step skip, by backend. TPU: ``"cond"`` (its conditional runs on
   the device). GPU: ``"select"`` (XLA:GPU reads a conditional's predicate on
-  the host). CPU: ``"cond"`` when leaves of :data:`SUM_FROM_SIZE` elements
-  and more hold at least half of the floating elements of ``shapes`` (the
-  updates), else ``"select"``: XLA:CPU relays out a conditional's operands,
-  which costs a copy of every gradient but makes the optimizer read each
-  large weight gradient contiguously instead of transposed (x0.8-1.2 of a
-  step without a scaler on 1024x1024 leaves, against x1.3 for select;
-  x1.6 at 64-256 leaves of 181-362 squared, against x1.1-1.2).
+  the host). CPU: ``"select"``. With the gradients laid out row-major
+  (:func:`jmp_scaler._leaves.row_major`) the two modes run a ``TrainState``
+  step within the noise of each other from 8 to 1024 leaves, and on the
+  pure-Optax path (:func:`skip_nonfinite`) a conditional also writes the
+  updates to a buffer of their own before ``optax.apply_updates`` reads them
+  (+15.8 MiB and x0.8-0.9 against x0.5-0.6 on 8 leaves of 1024x1024).
   BENCHMARKS.md, "Leaf-count sweep", has the figures.
   """
   mode = scaler.config.skip_mode
   if mode != "auto":
     return mode == "cond"
-  backend = jax.default_backend()
-  if auto == "cond" or backend == "tpu":
-    return True
-  return backend == "cpu" and _mostly_large(shapes)
-
-
-def _mostly_large(shapes: Any) -> bool:
-  sizes = [math.prod(s.shape) for s in jax.tree.leaves(shapes) if is_floating(s)]
-  large = sum(n for n in sizes if n >= SUM_FROM_SIZE)
-  return large > 0 and 2 * large >= sum(sizes)
+  return auto == "cond" or jax.default_backend() == "tpu"
 
 
 def apply_or_skip(
@@ -121,7 +112,7 @@ def apply_or_skip(
   def skip_typed():
     return jax.tree.map(match_varying, skip(shapes), shapes)
 
-  if scaler is None or uses_cond(scaler, auto, shapes[0]):
+  if scaler is None or uses_cond(scaler, auto):
     return jax.lax.cond(finite, applied, skip_typed)
   kept = treedef.flatten_up_to(skip_typed())
   return jax.tree.unflatten(treedef, _eval_selecting(closed, finite, kept))
@@ -211,7 +202,7 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    scaler, finite = find_and_decide(updates, state, extra_args)
+    scaler, finite, updates = find_and_decide(updates, state, extra_args)
     if scaler is None or finite is True:
       return inner.update(updates, state, params, **extra_args)
 

@@ -60,7 +60,7 @@ class TrainState(train_state.TrainState):
     owg = not isinstance(grads, jax.Array) and _OWG in grads
     grads_opt = grads["params"] if owg else grads
     params_opt = self.params["params"] if owg else self.params
-    scaler, finite = find_and_decide(grads_opt, self.opt_state, {})
+    scaler, finite, grads_opt = find_and_decide(grads_opt, self.opt_state, {})
     if scaler is None:
       return super().apply_gradients(grads=grads, **kwargs)
     tx = optax.with_extra_args_support(self.tx)
