@@ -159,6 +159,25 @@ def test_a_nonfinite_micro_batch_is_dropped_and_the_scale_backs_off():
   assert int(state.dropped) == 1
 
 
+
+@pytest.mark.parametrize("mode", ["cond", "select"])
+def test_a_window_of_one_call_is_skip_nonfinite(mode):
+  # every_k=1 keeps no running sum (it stays zero, neither written nor cleared on each
+  # call) and takes the same steps as skip_nonfinite, skips and backoffs included.
+  params = _params()
+  scaler = lambda: jmp_scaler.dynamic_scale(SCALE, growth_interval=2, skip_mode=mode)  # noqa: E731
+  acc = jmp_scaler.accumulate_gradients(optax.chain(scaler(), optax.adam(LR)), 1)
+  ref = jmp_scaler.skip_nonfinite(optax.chain(scaler(), optax.adam(LR)))
+  batches, bad = _batches(6), {1, 4}
+  got, state, scales = _run(acc, params, acc.init(params), batches, bad=bad)
+  want, ref_state, ref_scales = _run(ref, params, ref.init(params), batches, bad=bad)
+  assert scales == ref_scales and len(set(scales)) > 1  # it grew and backed off
+  # Within an ulp: XLA fuses (and contracts into FMAs) the two programs differently.
+  _assert_close(got, want)
+  _assert_close(state.inner_state, ref_state)
+  assert all(not np.any(x) for x in jax.tree.leaves(state.grad_sum))
+  assert int(state.dropped) == len(bad)
+
 def test_skip_window_mode_skips_the_whole_update_exactly():
   params = _params()
   tx = _tx("skip_window")
