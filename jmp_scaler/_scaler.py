@@ -233,13 +233,11 @@ def dynamic_scale(
       as the chain makes them (no branch, no extra memory); ``"cond"`` runs it
       under ``lax.cond`` (nothing is computed on a skip, but XLA:GPU copies the
       predicate to the host and waits for the stream, unless conditionals are
-      put in command buffers, and XLA:CPU relays out the branch's operands,
-      one gradient copy). ``"auto"``, when the step is traced: ``"select"`` on
-      GPU; ``"cond"`` on TPU and in ``accumulate_gradients`` with
-      ``every_k > 1`` (the optimizer runs on one call in ``every_k``); on CPU
-      ``"cond"`` if leaves of 2**19 elements and more hold most of the
-      parameters (the relayout then makes the optimizer read them
-      contiguously), else ``"select"`` (BENCHMARKS.md, "Leaf-count sweep").
+      put in command buffers, and on the pure-Optax path the updates cross the
+      branch in a buffer of their own). ``"auto"``, when the step is traced:
+      ``"select"`` on GPU and CPU; ``"cond"`` on TPU and in
+      ``accumulate_gradients`` with ``every_k > 1`` (the optimizer runs on one
+      call in ``every_k``) (BENCHMARKS.md, "Leaf-count sweep").
       Both modes take the same decision and skip the same steps; a skipped step leaves the
       parameters and every optimizer state but the scaler's bit-identical, and
       the scaler's state is bit-identical between the modes. Applied steps
