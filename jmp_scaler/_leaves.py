@@ -62,8 +62,8 @@ def row_major(tree: Any) -> Any:
   its predicate into the logical order, Adam reads the gradient with strides
   in each of its moment updates, and a ``lax.cond`` copies every such operand
   back inside its branch. Laid out once as the parameters are, by the kernel
-  that makes it, the gradient is read in order by all of them: x1.5-1.9 per
-  step for ``cond`` at 64-256 leaves came down to x1.1, and 8 leaves of
+  that makes it, the gradient is read in order by all of them: x1.5-2.0 per
+  step for ``cond`` at 64-256 leaves came down to x1.07-1.12, and 8 leaves of
   1024x1024 run x0.6 of a step without a scaler, whose Adam reads them with
   strides (BENCHMARKS.md, "Leaf-count sweep"). Other backends choose their
   own layouts (not measured there), and with several devices the constraint

@@ -69,7 +69,7 @@ def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
   step within the noise of each other from 8 to 1024 leaves, and on the
   pure-Optax path (:func:`skip_nonfinite`) a conditional also writes the
   updates to a buffer of their own before ``optax.apply_updates`` reads them
-  (+15.8 MiB and x0.8-0.9 against x0.5-0.6 on 8 leaves of 1024x1024).
+  (+15.8 MiB and x0.80-0.96 against x0.57-0.58 on 8 leaves of 1024x1024).
   BENCHMARKS.md, "Leaf-count sweep", has the figures.
   """
   mode = scaler.config.skip_mode

@@ -159,7 +159,6 @@ def test_a_nonfinite_micro_batch_is_dropped_and_the_scale_backs_off():
   assert int(state.dropped) == 1
 
 
-
 @pytest.mark.parametrize("mode", ["cond", "select"])
 def test_a_window_of_one_call_is_skip_nonfinite(mode):
   # every_k=1 keeps no running sum (it stays zero, neither written nor cleared on each
@@ -177,6 +176,7 @@ def test_a_window_of_one_call_is_skip_nonfinite(mode):
   _assert_close(state.inner_state, ref_state)
   assert all(not np.any(x) for x in jax.tree.leaves(state.grad_sum))
   assert int(state.dropped) == len(bad)
+
 
 def test_skip_window_mode_skips_the_whole_update_exactly():
   params = _params()

@@ -107,7 +107,6 @@ def test_select_mode_updates_the_moments_in_place(n):
   assert select <= cond + leaf_bytes, (select, cond)
 
 
-
 def _dense_step(mode):
   """A jitted float16 linear layer's TrainState step: the kernel's gradient is a transpose."""
   tx = optax.chain(dynamic_scale(init_scale=16.0, skip_mode=mode), optax.adam(1e-3))
