@@ -53,6 +53,17 @@ def real_parts(x: jax.Array) -> jax.Array:
   return x
 
 
+def one_cpu_device() -> bool:
+  """Whether the computation runs on one XLA:CPU device (read at trace time).
+
+  The layout pin (:func:`row_major`) and the grouped finiteness check
+  (:func:`jmp_scaler._scaler.all_finite`) were measured there only; with
+  several devices a leaf's sharding is XLA's to choose, and both would make
+  the partitioner move data between devices.
+  """
+  return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def row_major(tree: Any) -> Any:
   """``tree`` with every floating leaf of two or more axes laid out row-major (XLA:CPU only).
 
@@ -70,8 +81,7 @@ def row_major(tree: Any) -> Any:
   made XLA's partitioner gather sharded gradients (two more all-gathers on an
   FSDP step, ``tests/test_multidevice.py``): there the tree is returned as it is.
   """
-  if (_with_layout_constraint is None or jax.default_backend() != "cpu"
-      or jax.device_count() != 1):
+  if _with_layout_constraint is None or not one_cpu_device():
     return tree
 
   def one(x):

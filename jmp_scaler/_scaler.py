@@ -8,6 +8,7 @@ so switching modes changes neither checkpoints nor compiled shapes.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Hashable
 from typing import Any, NamedTuple
@@ -19,7 +20,7 @@ import optax
 from flax import struct
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, row_major
+from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, one_cpu_device, row_major
 
 _F32 = validation.F32
 #: Default lower bound of the scale: the smallest normal float32, so ``1/scale``
@@ -385,8 +386,41 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   return jax.tree.map(lambda g: _unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
 
 
+# Leaves of up to GROUP_BELOW elements that share a shape are checked GROUP_SIZE at a
+# time, by one reduction of their elementwise ``and`` (XLA:CPU, one device).
+GROUP_BELOW = 2**14
+GROUP_SIZE = 32
+
+
 def _leaf_finite(g: jax.Array, pre: jax.Array, inv: jax.Array) -> jax.Array:
   return jnp.all(jnp.isfinite(_unscale_leaf(g, pre, inv)))
+
+
+def _finite_flags(leaves: list[jax.Array], pre: jax.Array, inv: jax.Array) -> list[jax.Array]:
+  """Flags whose conjunction says whether every leaf of ``leaves``, unscaled, is finite.
+
+  One per leaf, except on one XLA:CPU device, where the small leaves of one
+  shape (``GROUP_BELOW`` elements or fewer) are checked ``GROUP_SIZE`` at a
+  time: ``all(isfinite(u1) & isfinite(u2) & ...)``, which is exactly the
+  conjunction of their own checks, in one fused kernel and one reduction
+  instead of three kernels a leaf. On small leaves those kernels cost more
+  to launch and to compile than to run (BENCHMARKS.md, "Fourth pass").
+  Larger leaves keep their own reduction, which reads each one as soon as
+  the backward pass has written it.
+  """
+  if not one_cpu_device():
+    return [_leaf_finite(g, pre, inv) for g in leaves]
+  flags, small = [], {}
+  for g in leaves:
+    if g.size <= GROUP_BELOW:
+      small.setdefault(g.shape, []).append(g)
+    else:
+      flags.append(_leaf_finite(g, pre, inv))
+  for same in small.values():
+    for i in range(0, len(same), GROUP_SIZE):
+      ok = [jnp.isfinite(_unscale_leaf(g, pre, inv)) for g in same[i : i + GROUP_SIZE]]
+      flags.append(jnp.all(functools.reduce(jnp.logical_and, ok)))
+  return flags
 
 
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
@@ -406,7 +440,8 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   so it reads each one in order. (A ``sum(u - u)`` reduction was faster on a
   gradient left as its dot wrote it; on row-major ones it is slower: x0.56-0.71
   against x0.51-0.52 per step, +12.0 against +4.8 MiB, on 8 leaves of
-  1024x1024, BENCHMARKS.md.) The per-leaf flags are combined by one
+  1024x1024, BENCHMARKS.md.) On one XLA:CPU device, small leaves of one shape are
+  checked together, a group at a time (:func:`_finite_flags`). The flags are combined by one
   ``min``-reduction over an int32 vector, which XLA keeps as one materialised
   value: combined as ``all(stack(flags))`` (or a sum of partial sums) XLA
   rewrites them into a chain of scalar ops and copies that chain into every
@@ -416,7 +451,7 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   (:func:`dynamic_scale` warns).
   """
   pre, inv = reciprocal(state.scale)
-  flags = [_leaf_finite(g, pre, inv) for g in floating_leaves(grads)]
+  flags = _finite_flags(floating_leaves(grads), pre, inv)
   if flags:
     finite = jnp.min(jnp.stack(flags).astype(jnp.int32)) > 0
   else:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -271,6 +272,53 @@ def test_the_compiled_check_is_not_folded_away():
   assert bool(compiled({"g": jnp.ones(8)}, state))
   for bad in (jnp.inf, -jnp.inf, jnp.nan):
     assert not bool(compiled({"g": jnp.ones(8).at[5].set(bad)}, state)), bad
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.sampled_from([2, 31, 32, 33, 70]),
+    which=st.floats(0.0, 1.0, exclude_max=True),
+    where=st.floats(0.0, 1.0, exclude_max=True),
+    bad=st.sampled_from([np.nan, np.inf, -np.inf]),
+)
+def test_one_bad_element_in_any_leaf_of_a_group_of_small_leaves_is_caught(n, which, where, bad):
+  # On one CPU device small leaves of one shape share a reduction, GROUP_SIZE at a
+  # time; float32, float16 and complex leaves of that shape are checked together.
+  dtypes = [jnp.float32, jnp.float16, jnp.complex64]
+  leaves = [jnp.ones((9, 7), dtypes[i % 3]) for i in range(n)]
+  state = jmp_scaler.dynamic_scale().init(None)
+  assert bool(_CHECK(leaves, state))
+  k, e = int(which * n), int(where * 63)
+  leaves[k] = leaves[k].at[e // 7, e % 7].set(bad)
+  assert not bool(_CHECK(leaves, state)), (k, e)
+
+
+
+def test_unscaling_overflow_in_a_grouped_leaf_is_caught():
+  # A float16 gradient divided by a scale below 1 can overflow: that counts, in a group too.
+  leaves = [jnp.full((4, 4), 1.0, jnp.float16) for _ in range(40)]
+  leaves[37] = leaves[37].at[1, 2].set(60000.0)
+  state = jmp_scaler.dynamic_scale(init_scale=0.5).init(None)
+  assert not bool(_CHECK(leaves, state))
+  assert bool(_CHECK(leaves, jmp_scaler.dynamic_scale(init_scale=1.0).init(None)))
+
+
+def _reductions(leaves):
+  state = jmp_scaler.dynamic_scale().init(None)
+  text = jax.jit(jmp_scaler.all_finite).lower(leaves, state).compile().as_text()
+  return len(re.findall(r" reduce(?:-window)?\(", text))
+
+
+def test_small_leaves_of_one_shape_share_their_reductions():
+  from jmp_scaler._scaler import GROUP_BELOW, GROUP_SIZE
+
+  small = lambda n: [jnp.ones((8, 8)) for _ in range(n)]  # noqa: E731
+  # 33 and 64 leaves: two groups each, so the same reductions (one a leaf would add 31+).
+  assert _reductions(small(33)) == _reductions(small(2 * GROUP_SIZE))
+  assert _reductions(small(2 * GROUP_SIZE + 1)) > _reductions(small(2 * GROUP_SIZE))
+  # Leaves above GROUP_BELOW elements keep one reduction each.
+  big = lambda n: [jnp.ones(GROUP_BELOW + 1) for _ in range(n)]  # noqa: E731
+  assert _reductions(big(4)) - _reductions(big(2)) >= 2
 
 
 def test_fast_math_flags_are_warned_about(monkeypatch):
