@@ -15,6 +15,11 @@ step; the table compares each one with the no-scaler step:
   aif           optax.apply_if_finite(adam), static loss scale (optax has no dynamic one)
   bare          chain(dynamic_scale(bare=True), adam) without a skip wrapper
 
+and, on request only (``--variants``):
+
+  ts_select_perleaf  ts_select with one finiteness reduction per leaf, as before small
+                     leaves of one shape were checked together (issue 14, fourth pass)
+
 Columns: ``step`` is the median over rounds of (variant / none in the same
 round); the rounds interleave the variants (rotating their order), so all of
 them see the same machine load, and ``IQR`` is the spread of that ratio over
@@ -60,6 +65,7 @@ import _models  # noqa: E402
 SCALE = 2.0**10  # every timed step is finite at this scale (checked)
 LR = 1e-4
 VARIANTS = ("none", "ts_cond", "ts_select", "ts_select16", "skip", "accumulate", "aif", "bare")
+ON_REQUEST = ("ts_select_perleaf",)
 
 
 def _scaler(mode="auto"):
@@ -103,6 +109,20 @@ def variants(model):
     return state.apply_gradients(grads=jax.tree.map(lambda g: g.astype(jnp.float32), g16))
 
   out["ts_select16"] = (init, c16_step, get_params, get_scale)
+
+  def perleaf_step(state, batch):  # traced with the grouping of small leaves turned off
+    from jmp_scaler import _scaler
+
+    grouped = getattr(_scaler, "one_cpu_device", None)
+    if grouped is None:  # a version that checks every leaf on its own anyway
+      return out["ts_select"][1](state, batch)
+    _scaler.one_cpu_device = lambda: False
+    try:
+      return out["ts_select"][1](state, batch)
+    finally:
+      _scaler.one_cpu_device = grouped
+
+  out["ts_select_perleaf"] = (init, perleaf_step, get_params, get_scale)
 
   def optax_style(tx):
     def step(state, batch):
@@ -227,7 +247,8 @@ def _print_table(name, model, rounds, steps, rows):
   print(f"\n## {name}: {model} ({leaves} leaves)")
   print(f"{rounds} rounds x {steps} steps, jax {jax.__version__} {jax.default_backend()}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; ratios to none")
-  head = (f"{'variant':<12}{'ms':>9}{'step':>7}{'IQR':>11}{'lower':>7}{'compile':>8}"
+  w = max(12, *(len(r['variant']) + 1 for r in rows))
+  head = (f"{'variant':<{w}}{'ms':>9}{'step':>7}{'IQR':>11}{'lower':>7}{'compile':>8}"
           f"{'comp s':>8}{'temp':>8}{'+temp':>7}{'kernels':>8}{'conds':>6}{'selects':>8}"
           f"{'reduces':>8}{'lines':>8}  finite  overflow")
   print(head)
@@ -237,7 +258,7 @@ def _print_table(name, model, rounds, steps, rows):
     # none applies the overflow; bare runs Adam on zeros (documented); others must keep.
     moved = {"none": "APPLIED", "bare": "moved (bare)"}.get(r["variant"], "APPLIED (bug)")
     kept = "kept" if r["kept"] else moved
-    print(f"{r['variant']:<12}{r['ms']:>9.2f}{r['ratio']:>7.2f}{iqr:>11}"
+    print(f"{r['variant']:<{w}}{r['ms']:>9.2f}{r['ratio']:>7.2f}{iqr:>11}"
           f"{r['lower']:>7.2f}{r['compile']:>8.2f}{r['compile_s']:>8.2f}"
           f"{r['temp'] / 2**20:>8.1f}{(r['temp'] - base['temp']) / 2**20:>7.1f}"
           f"{r['kernels']:>8}{r['conds']:>6}{r['selects']:>8}{r['reduces']:>8}{r['lines']:>8}"
@@ -271,8 +292,8 @@ def main(argv=None):
   chosen = list(zoo) if args.models == "all" else args.models.split(",")
   names = ["none"] + [v for v in args.variants.split(",") if v and v != "none"]
   for v in names:
-    if v not in VARIANTS:
-      parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    if v not in VARIANTS + ON_REQUEST:
+      parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS + ON_REQUEST)}")
   rounds = min(args.rounds, 2) if args.quick else args.rounds
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
   for name in chosen:
