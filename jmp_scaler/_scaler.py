@@ -427,10 +427,10 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   """Whether every floating leaf of ``grads / state.scale`` is finite.
 
   One read of the gradients: the unscaling is fused into one reduction per
-  leaf, so the unscaled tree is never materialised, and an overflow of the
-  unscaling itself (a float16 gradient divided by a scale below 1) counts as
-  non-finite. Complex leaves count as non-finite when either part is.
-  Non-floating leaves and ``None`` are ignored. With
+  leaf (or per group of small leaves), so the unscaled tree is never
+  materialised, and an overflow of the unscaling itself (a float16 gradient
+  divided by a scale below 1) counts as non-finite. Complex leaves count as
+  non-finite when either part is. Non-floating leaves and ``None`` are ignored. With
   ``state.config.axis_name`` set, the decision is reduced over those mapped
   axes: every device returns the same value.
 
