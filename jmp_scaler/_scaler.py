@@ -392,35 +392,28 @@ GROUP_BELOW = 2**14
 GROUP_SIZE = 32
 
 
-def _leaf_finite(g: jax.Array, pre: jax.Array, inv: jax.Array) -> jax.Array:
-  return jnp.all(jnp.isfinite(_unscale_leaf(g, pre, inv)))
+def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
+  """The leaves checked by one reduction together: each on its own but on one XLA:CPU device.
 
-
-def _finite_flags(leaves: list[jax.Array], pre: jax.Array, inv: jax.Array) -> list[jax.Array]:
-  """Flags whose conjunction says whether every leaf of ``leaves``, unscaled, is finite.
-
-  One per leaf, except on one XLA:CPU device, where the small leaves of one
-  shape (``GROUP_BELOW`` elements or fewer) are checked ``GROUP_SIZE`` at a
-  time: ``all(isfinite(u1) & isfinite(u2) & ...)``, which is exactly the
-  conjunction of their own checks, in one fused kernel and one reduction
-  instead of three kernels a leaf. On small leaves those kernels cost more
-  to launch and to compile than to run (BENCHMARKS.md, "Fourth pass").
-  Larger leaves keep their own reduction, which reads each one as soon as
-  the backward pass has written it.
+  There the small leaves of one shape (``GROUP_BELOW`` elements or fewer) go
+  ``GROUP_SIZE`` to a group, checked as ``all(isfinite(u1) & isfinite(u2) &
+  ...)``: exactly the conjunction of their own checks, in one fused kernel and
+  one reduction instead of three kernels a leaf. On small leaves those
+  kernels cost more to launch and to compile than to run (BENCHMARKS.md,
+  "Fourth pass"). Larger leaves keep their own reduction, which reads each
+  one as soon as the backward pass has written it.
   """
   if not one_cpu_device():
-    return [_leaf_finite(g, pre, inv) for g in leaves]
-  flags, small = [], {}
+    return [[g] for g in leaves]
+  groups, small = [], {}
   for g in leaves:
-    if g.size <= GROUP_BELOW:
-      small.setdefault(g.shape, []).append(g)
+    if g.size > GROUP_BELOW:
+      groups.append([g])
     else:
-      flags.append(_leaf_finite(g, pre, inv))
+      small.setdefault(g.shape, []).append(g)
   for same in small.values():
-    for i in range(0, len(same), GROUP_SIZE):
-      ok = [jnp.isfinite(_unscale_leaf(g, pre, inv)) for g in same[i : i + GROUP_SIZE]]
-      flags.append(jnp.all(functools.reduce(jnp.logical_and, ok)))
-  return flags
+    groups += [same[i : i + GROUP_SIZE] for i in range(0, len(same), GROUP_SIZE)]
+  return groups
 
 
 def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
@@ -441,7 +434,7 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   gradient left as its dot wrote it; on row-major ones it is slower: x0.56-0.71
   against x0.51-0.52 per step, +12.0 against +4.8 MiB, on 8 leaves of
   1024x1024, BENCHMARKS.md.) On one XLA:CPU device, small leaves of one shape are
-  checked together, a group at a time (:func:`_finite_flags`). The flags are combined by one
+  checked together, a group at a time (:func:`_check_groups`). The flags are combined by one
   ``min``-reduction over an int32 vector, which XLA keeps as one materialised
   value: combined as ``all(stack(flags))`` (or a sum of partial sums) XLA
   rewrites them into a chain of scalar ops and copies that chain into every
@@ -451,7 +444,11 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   (:func:`dynamic_scale` warns).
   """
   pre, inv = reciprocal(state.scale)
-  flags = _finite_flags(floating_leaves(grads), pre, inv)
+  isfinite = lambda g: jnp.isfinite(_unscale_leaf(g, pre, inv))  # noqa: E731
+  flags = [
+      jnp.all(functools.reduce(jnp.logical_and, map(isfinite, group)))
+      for group in _check_groups(floating_leaves(grads))
+  ]
   if flags:
     finite = jnp.min(jnp.stack(flags).astype(jnp.int32)) > 0
   else:

@@ -293,7 +293,6 @@ def test_one_bad_element_in_any_leaf_of_a_group_of_small_leaves_is_caught(n, whi
   assert not bool(_CHECK(leaves, state)), (k, e)
 
 
-
 def test_unscaling_overflow_in_a_grouped_leaf_is_caught():
   # A float16 gradient divided by a scale below 1 can overflow: that counts, in a group too.
   leaves = [jnp.full((4, 4), 1.0, jnp.float16) for _ in range(40)]
