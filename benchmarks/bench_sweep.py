@@ -37,13 +37,24 @@ off) and one overflowing step per variant checks the skip afterwards.
   python benchmarks/bench_sweep.py --models mlp256 --variants none,ts_select
   python benchmarks/bench_sweep.py --quick            # tiny sizes, a smoke test
   python benchmarks/bench_sweep.py --hlo /tmp/hlo     # keep each compiled step's HLO
+  python benchmarks/bench_sweep.py --codegen          # where each compile's time goes
+
+``--codegen`` times nothing else: it compiles each step once under ``jax.profiler``
+and prints, from XLA:CPU's trace, the distinct kernels it compiled (identical fused
+kernels are compiled once), the time spent generating them (fusion emitter, then
+LLVM) and in the HLO passes, and the whole compile. One compile each: read the
+kernel counts, which do not depend on the load, before the times.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
+import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -241,6 +252,42 @@ def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
   return rows
 
 
+def codegen(name, model, names):
+  """One traced compile per variant: XLA:CPU's distinct kernels and where the time went."""
+  kp, kb = jax.random.split(jax.random.key(0))
+  params = model.init(kp)
+  batch = jax.device_put(model.batch_of(kb))
+  table = variants(model)
+  head = (f"{'variant':<18}{'kernels':>8}{'emit ms':>9}{'llvm ms':>9}{'passes ms':>10}"
+          f"{'compile ms':>11}")
+  print(f"\n## {name}: {model}, one compile each, jax {jax.__version__}, "
+        f"load {os.getloadavg()[0]:.1f}\n{head}\n{'-' * len(head)}")
+  for v in names:
+    init, step, _, _ = table[v]
+    jax.clear_caches()
+    lowered = jax.jit(step, donate_argnums=0).lower(init(params), batch)
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      lowered.compile()
+      ms = 1e3 * (time.perf_counter() - t0)
+    found = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(found[0]) as f:
+      events = json.load(f)
+    events = [e for e in (events.get("traceEvents", []) if isinstance(events, dict) else events)
+              if e.get("ph") == "X"]
+    total = lambda pred, ev=events: sum(e["dur"] for e in ev if pred(e["name"])) / 1e3  # noqa: E731
+    llvm = [e for e in events if e["name"] == "Codegen"]
+    if not llvm:  # another XLA: its trace names differ, and a zero would look like a figure
+      print(f"{v:<18}XLA:CPU's trace has no 'Codegen' event (jax {jax.__version__}): not read")
+      continue
+    kernels = sum(int(e.get("args", {}).get("num_compiled_functions", 0)) for e in llvm)
+    print(f"{v:<18}{kernels:>8}{total(lambda n: n == 'FusionCompiler::Compile'):>9.0f}"
+          f"{total(lambda n: n == 'Codegen'):>9.0f}"
+          f"{total(lambda n: n.startswith('HLO passes ')):>10.0f}{ms:>11.0f}")
+  sys.stdout.flush()
+
+
 def _print_table(name, model, rounds, steps, rows):
   base = rows[0]
   leaves = len(jax.tree.leaves(model.init(jax.random.key(0))))
@@ -287,6 +334,8 @@ def main(argv=None):
   parser.add_argument("--hlo", metavar="DIR", help="write each compiled step's HLO here")
   parser.add_argument("--compile-rounds", type=int, default=3,
                       help="times each step is traced, lowered and compiled (medians)")
+  parser.add_argument("--codegen", action="store_true",
+                      help="only where each compile's time goes (kernels, codegen, passes)")
   args = parser.parse_args(argv)
   zoo = models(args.quick)
   chosen = list(zoo) if args.models == "all" else args.models.split(",")
@@ -297,6 +346,9 @@ def main(argv=None):
   rounds = min(args.rounds, 2) if args.quick else args.rounds
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
   for name in chosen:
+    if args.codegen:
+      codegen(name, zoo[name], names)
+      continue
     steps = args.steps or (1 if args.quick or name == "gpt" else 3)
     run(name, zoo[name], names, rounds, steps, args.hlo,
         1 if args.quick else args.compile_rounds)

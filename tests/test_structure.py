@@ -184,3 +184,17 @@ def test_bench_sweep_quick_prints_every_variant():
       if name not in ("none", "bare"):
         assert row[-1] == "kept", row
     assert rows["ts_cond"][conds] == "1" and rows["ts_select"][conds] == "0"
+
+
+@pytest.mark.slow
+def test_bench_sweep_codegen_reads_the_kernels_xla_compiled():
+  out = run_benchmark("bench_sweep.py", "--codegen", "--quick", "--models", "mlp8",
+                      "--variants", "ts_select")
+  lines = out.splitlines()
+  start = next(i for i, ln in enumerate(lines) if ln.startswith("---")) + 1
+  rows = {ln.split()[0]: ln.split() for ln in lines[start:] if ln.strip()}
+  assert list(rows) == ["none", "ts_select"], out
+  kernels = {v: int(row[1]) for v, row in rows.items()}  # "not read" would fail here
+  # The scaler's check and state updates are kernels the step without a scaler lacks.
+  assert 0 < kernels["none"] < kernels["ts_select"], out
+  assert all(float(row[-1]) > 0 for row in rows.values()), out
