@@ -272,16 +272,19 @@ def codegen(name, model, names):
       lowered.compile()
       ms = 1e3 * (time.perf_counter() - t0)
     found = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    if not found:
+      raise SystemExit(f"jax.profiler wrote no perfetto trace under {trace_dir}")
     with gzip.open(found[0]) as f:
       events = json.load(f)
     events = [e for e in (events.get("traceEvents", []) if isinstance(events, dict) else events)
               if e.get("ph") == "X"]
     total = lambda pred, ev=events: sum(e["dur"] for e in ev if pred(e["name"])) / 1e3  # noqa: E731
-    llvm = [e for e in events if e["name"] == "Codegen"]
-    if not llvm:  # another XLA: its trace names differ, and a zero would look like a figure
-      print(f"{v:<18}XLA:CPU's trace has no 'Codegen' event (jax {jax.__version__}): not read")
+    counts = [e.get("args", {}).get("num_compiled_functions")
+              for e in events if e["name"] == "Codegen"]
+    if not counts or None in counts:  # another XLA: a zero would look like a figure
+      print(f"{v:<18}XLA:CPU's trace has no kernel count (jax {jax.__version__}): not read")
       continue
-    kernels = sum(int(e.get("args", {}).get("num_compiled_functions", 0)) for e in llvm)
+    kernels = sum(map(int, counts))
     print(f"{v:<18}{kernels:>8}{total(lambda n: n == 'FusionCompiler::Compile'):>9.0f}"
           f"{total(lambda n: n == 'Codegen'):>9.0f}"
           f"{total(lambda n: n.startswith('HLO passes ')):>10.0f}{ms:>11.0f}")

@@ -370,9 +370,13 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return pre, 1.0 / (scale * pre)
 
 
-def _unscale_leaf(g: jax.Array, pre: jax.Array, inv: jax.Array) -> jax.Array:
-  m = math_dtype(g.dtype)
-  return ((g.astype(m) * pre.astype(m)) * inv.astype(m)).astype(g.dtype)
+def unscale_leaf(
+    g: jax.Array, pre: jax.Array, inv: jax.Array, dtype: Any = None
+) -> jax.Array:
+  """``g * pre * inv`` (:func:`reciprocal`'s factors) in ``dtype``, by default in at
+  least float32 and cast back to ``g``'s dtype."""
+  m = math_dtype(g.dtype) if dtype is None else dtype
+  return ((g.astype(m) * pre.astype(m)) * inv.astype(m)).astype(g.dtype if dtype is None else m)
 
 
 def unscale(grads: Any, scale: jax.Array) -> Any:
@@ -383,7 +387,7 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   is subnormal above ``2**126``, and XLA:CPU flushes it to zero).
   """
   pre, inv = reciprocal(jnp.asarray(scale, jnp.float32))
-  return jax.tree.map(lambda g: _unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
+  return jax.tree.map(lambda g: unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
 
 
 # Leaves of up to GROUP_BELOW elements that share a shape are checked GROUP_SIZE at a
@@ -444,7 +448,7 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   (:func:`dynamic_scale` warns).
   """
   pre, inv = reciprocal(state.scale)
-  isfinite = lambda g: jnp.isfinite(_unscale_leaf(g, pre, inv))  # noqa: E731
+  isfinite = lambda g: jnp.isfinite(unscale_leaf(g, pre, inv))  # noqa: E731
   flags = [
       jnp.all(functools.reduce(jnp.logical_and, map(isfinite, group)))
       for group in _check_groups(floating_leaves(grads))
