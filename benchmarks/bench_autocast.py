@@ -47,7 +47,7 @@ import numpy as np
 import optax
 
 import jmp_scaler
-from jmp_scaler._autocast_fn import autocast
+from jmp_scaler.precision._autocast import autocast
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -48,8 +48,8 @@ try:
 except ImportError:  # run from a checkout that is not installed
   sys.path.insert(0, _ROOT)
   import jmp_scaler
-from jmp_scaler._adam16 import low_precision_optimizer  # noqa: E402
-from jmp_scaler._stochastic import kahan_summation, stochastic_round  # noqa: E402
+from jmp_scaler.lowbit._adam16 import low_precision_optimizer  # noqa: E402
+from jmp_scaler.lowbit._stochastic import kahan_summation, stochastic_round  # noqa: E402
 
 SETUPS = ("f32", "rtn", "sr", "kahan")
 _POLICY = {"f32": "p=f32,c=f32,o=f32", "rtn": "p=bf16,c=f32,o=f32",

@@ -122,7 +122,7 @@ def variants(model):
   out["ts_select16"] = (init, c16_step, get_params, get_scale)
 
   def perleaf_step(state, batch):  # traced with the grouping of small leaves turned off
-    from jmp_scaler import _scaler
+    from jmp_scaler.scaling import _scaler
 
     grouped = getattr(_scaler, "one_cpu_device", None)
     if grouped is None:  # a version that checks every leaf on its own anyway

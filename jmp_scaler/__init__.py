@@ -4,77 +4,89 @@ The scaler is an Optax gradient transformation whose state lives in
 ``opt_state``::
 
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(1e-3))
+
+Every public name is imported from here. The code lives in one wing per concept,
+each importing only from wings on lower floors (``tools/house.py`` draws it and
+``tests/test_house.py`` holds it):
+
+* floor 0, the ground floor: ``_leaves`` (which leaves are touched, in which
+  dtype) and ``_validation`` (argument checks);
+* floor 1: ``scaling`` (the scaler, the exact skip, accumulation, several
+  devices) and ``lowbit`` (stochastic rounding, Kahan summation, 16-bit Adam);
+* floor 2: ``precision`` (policies, autocast), ``training`` (``TrainState``,
+  ``NNXOptimizer``) and ``checkpoint``;
+* floor 3: ``diagnostics`` (reports and the monitor).
 """
 
 # The loss scaler: an Optax transformation and its state.
-from jmp_scaler._scaler import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
-from jmp_scaler._scaler import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
-from jmp_scaler._scaler import LossScaleState as LossScaleState
-from jmp_scaler._scaler import ScaleConfig as ScaleConfig
-from jmp_scaler._scaler import all_finite as all_finite
-from jmp_scaler._scaler import dynamic_scale as dynamic_scale
-from jmp_scaler._scaler import fixed_scale as fixed_scale
-from jmp_scaler._scaler import no_scale as no_scale
-from jmp_scaler._scaler import unscale as unscale
+from jmp_scaler.scaling._scaler import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
+from jmp_scaler.scaling._scaler import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
+from jmp_scaler.scaling._scaler import LossScaleState as LossScaleState
+from jmp_scaler.scaling._scaler import ScaleConfig as ScaleConfig
+from jmp_scaler.scaling._scaler import all_finite as all_finite
+from jmp_scaler.scaling._scaler import dynamic_scale as dynamic_scale
+from jmp_scaler.scaling._scaler import fixed_scale as fixed_scale
+from jmp_scaler.scaling._scaler import no_scale as no_scale
+from jmp_scaler.scaling._scaler import unscale as unscale
 
 # Exact skip around a chain: Flax TrainState, NNX, pure Optax; gradients of the scaled loss.
-from jmp_scaler._train_state import TrainState as TrainState
-from jmp_scaler._nnx import NNXOptimizer as NNXOptimizer
-from jmp_scaler._skip import skip_nonfinite as skip_nonfinite
-from jmp_scaler._grad import value_and_grad as value_and_grad
+from jmp_scaler.training._train_state import TrainState as TrainState
+from jmp_scaler.training._nnx_optimizer import NNXOptimizer as NNXOptimizer
+from jmp_scaler.scaling._skip import skip_nonfinite as skip_nonfinite
+from jmp_scaler.scaling._grad import value_and_grad as value_and_grad
 
 # Reading the scaler's state.
-from jmp_scaler._lookup import find_scale_state as find_scale_state
-from jmp_scaler._lookup import get_scale as get_scale
-from jmp_scaler._lookup import scale_metrics as scale_metrics
+from jmp_scaler.scaling._lookup import find_scale_state as find_scale_state
+from jmp_scaler.scaling._lookup import get_scale as get_scale
+from jmp_scaler.scaling._lookup import scale_metrics as scale_metrics
 
 # Dtype policies.
-from jmp_scaler._policy import Policy as Policy
-from jmp_scaler._policy import default_policy as default_policy
-from jmp_scaler._policy import get_policy as get_policy
+from jmp_scaler.precision._policy import Policy as Policy
+from jmp_scaler.precision._policy import default_policy as default_policy
+from jmp_scaler.precision._policy import get_policy as get_policy
 
 # Precision: autocast (function transformation) and per-module autocast.
-from jmp_scaler._autocast_fn import DEFAULT_RULES as DEFAULT_RULES
-from jmp_scaler._autocast_fn import autocast as autocast
-from jmp_scaler._autocast_fn import full_precision as full_precision
-from jmp_scaler._autocast_linen import LINEN_FLOAT32_MODULES as LINEN_FLOAT32_MODULES
-from jmp_scaler._autocast_linen import autocast_linen as autocast_linen
-from jmp_scaler._autocast_nnx import NNX_FLOAT32_MODULES as NNX_FLOAT32_MODULES
-from jmp_scaler._autocast_nnx import autocast_nnx as autocast_nnx
+from jmp_scaler.precision._autocast import DEFAULT_RULES as DEFAULT_RULES
+from jmp_scaler.precision._autocast import autocast as autocast
+from jmp_scaler.precision._autocast import full_precision as full_precision
+from jmp_scaler.precision._linen import LINEN_FLOAT32_MODULES as LINEN_FLOAT32_MODULES
+from jmp_scaler.precision._linen import autocast_linen as autocast_linen
+from jmp_scaler.precision._nnx import NNX_FLOAT32_MODULES as NNX_FLOAT32_MODULES
+from jmp_scaler.precision._nnx import autocast_nnx as autocast_nnx
 
 # bfloat16 without float32 master weights.
-from jmp_scaler._stochastic import KahanState as KahanState
-from jmp_scaler._stochastic import StochasticRoundState as StochasticRoundState
-from jmp_scaler._stochastic import kahan_summation as kahan_summation
-from jmp_scaler._stochastic import stochastic_cast as stochastic_cast
-from jmp_scaler._stochastic import stochastic_round as stochastic_round
-from jmp_scaler._adam16 import ScaleByAdamState as ScaleByAdamState
-from jmp_scaler._adam16 import adam as adam
-from jmp_scaler._adam16 import adamw as adamw
-from jmp_scaler._adam16 import low_precision_optimizer as low_precision_optimizer
-from jmp_scaler._adam16 import scale_by_adam as scale_by_adam
+from jmp_scaler.lowbit._stochastic import KahanState as KahanState
+from jmp_scaler.lowbit._stochastic import StochasticRoundState as StochasticRoundState
+from jmp_scaler.lowbit._stochastic import kahan_summation as kahan_summation
+from jmp_scaler.lowbit._stochastic import stochastic_cast as stochastic_cast
+from jmp_scaler.lowbit._stochastic import stochastic_round as stochastic_round
+from jmp_scaler.lowbit._adam16 import ScaleByAdamState as ScaleByAdamState
+from jmp_scaler.lowbit._adam16 import adam as adam
+from jmp_scaler.lowbit._adam16 import adamw as adamw
+from jmp_scaler.lowbit._adam16 import low_precision_optimizer as low_precision_optimizer
+from jmp_scaler.lowbit._adam16 import scale_by_adam as scale_by_adam
 
 # Scale-out: gradient accumulation, several devices.
-from jmp_scaler._accumulate import AccumulationState as AccumulationState
-from jmp_scaler._accumulate import accumulate_gradients as accumulate_gradients
-from jmp_scaler._distributed import check_axis_name as check_axis_name
-from jmp_scaler._distributed import scale_in_sync as scale_in_sync
+from jmp_scaler.scaling._accumulate import AccumulationState as AccumulationState
+from jmp_scaler.scaling._accumulate import accumulate_gradients as accumulate_gradients
+from jmp_scaler.scaling._distributed import check_axis_name as check_axis_name
+from jmp_scaler.scaling._distributed import scale_in_sync as scale_in_sync
 
 # Checkpoints.
-from jmp_scaler._checkpoint import from_bytes as from_bytes
-from jmp_scaler._checkpoint import restore_checkpoint as restore_checkpoint
-from jmp_scaler._checkpoint import save_checkpoint as save_checkpoint
-from jmp_scaler._checkpoint import to_bytes as to_bytes
-from jmp_scaler._restore_check import check_restored as check_restored
+from jmp_scaler.checkpoint._io import from_bytes as from_bytes
+from jmp_scaler.checkpoint._io import restore_checkpoint as restore_checkpoint
+from jmp_scaler.checkpoint._io import save_checkpoint as save_checkpoint
+from jmp_scaler.checkpoint._io import to_bytes as to_bytes
+from jmp_scaler.checkpoint._restore_check import check_restored as check_restored
 
 # Diagnostics.
-from jmp_scaler._nonfinite import NonFiniteReport as NonFiniteReport
-from jmp_scaler._nonfinite import nonfinite_report as nonfinite_report
-from jmp_scaler._underflow import UnderflowReport as UnderflowReport
-from jmp_scaler._underflow import underflow_report as underflow_report
-from jmp_scaler._monitor import ScaleMonitor as ScaleMonitor
-from jmp_scaler._monitor import ScaleWarning as ScaleWarning
-from jmp_scaler._monitor import to_scalars as to_scalars
+from jmp_scaler.diagnostics._nonfinite import NonFiniteReport as NonFiniteReport
+from jmp_scaler.diagnostics._nonfinite import nonfinite_report as nonfinite_report
+from jmp_scaler.diagnostics._underflow import UnderflowReport as UnderflowReport
+from jmp_scaler.diagnostics._underflow import underflow_report as underflow_report
+from jmp_scaler.diagnostics._monitor import ScaleMonitor as ScaleMonitor
+from jmp_scaler.diagnostics._monitor import ScaleWarning as ScaleWarning
+from jmp_scaler.diagnostics._monitor import to_scalars as to_scalars
 
 __version__ = "0.1.0"
 

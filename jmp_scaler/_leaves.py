@@ -57,7 +57,7 @@ def one_cpu_device() -> bool:
   """Whether the computation runs on one XLA:CPU device (read at trace time).
 
   The layout pin (:func:`row_major`) and the grouped finiteness check
-  (:func:`jmp_scaler._scaler.all_finite`) were measured there only. With
+  (:func:`jmp_scaler.scaling._scaler.all_finite`) were measured there only. With
   several devices the layout pin made XLA's partitioner gather sharded
   gradients, and an elementwise ``and`` of two leaves sharded differently
   would make it move one of them.

@@ -30,8 +30,8 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jmp_scaler._adam16 import adamw  # noqa: E402
-from jmp_scaler._stochastic import random_bits, step_key, stochastic_round  # noqa: E402
+from jmp_scaler.lowbit._adam16 import adamw  # noqa: E402
+from jmp_scaler.lowbit._stochastic import random_bits, step_key, stochastic_round  # noqa: E402
 
 STEPS = 3
 SHAPES = {"w": (16, 24), "b": (16,)}

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_scaler
-from jmp_scaler._autocast_fn import DEFAULT_RULES, autocast, full_precision
+from jmp_scaler.precision._autocast import DEFAULT_RULES, autocast, full_precision
 
 F16 = "p=f32,c=f16,o=f32"
 F16_DT, F32_DT = jnp.dtype("float16"), jnp.dtype("float32")

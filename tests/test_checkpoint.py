@@ -180,7 +180,8 @@ def test_other_corruptions_and_structure_are_refused():
 
 
 def test_docstring_examples():
-  result = doctest.testmod(jmp_scaler._restore_check, optionflags=doctest.NORMALIZE_WHITESPACE)
+  module = jmp_scaler.checkpoint._restore_check
+  result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0
 
 

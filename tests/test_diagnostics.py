@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_scaler
-from jmp_scaler import _monitor, _nonfinite
+from jmp_scaler.diagnostics import _monitor, _nonfinite
 
 INF, NAN = float("inf"), float("nan")
 

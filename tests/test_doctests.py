@@ -30,7 +30,8 @@ def _examples(module_name):
 
 def test_the_package_has_modules_and_examples():
   # Guards the mechanism itself: a listing that finds nothing would pass every test below.
-  assert "jmp_scaler._scaler" in MODULES and "jmp_scaler._policy" in MODULES
+  assert "jmp_scaler.scaling._scaler" in MODULES and "jmp_scaler.precision._policy" in MODULES
+  assert all(name.count(".") <= 2 for name in MODULES), MODULES  # wings, not deeper
   total = sum(len(t.examples) for name in MODULES for t in _examples(name))
   assert total >= 20, total
 

@@ -196,7 +196,7 @@ def test_skipped_step_keeps_extra_fields_like_batch_stats(mode):
 def test_auto_skip_mode_follows_the_backend(
     monkeypatch, backend, mode, shape, cond
 ):
-  from jmp_scaler import _skip
+  from jmp_scaler.scaling import _skip
 
   monkeypatch.setattr(_skip.jax, "default_backend", lambda: backend)
   tx = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), optax.sgd(0.1))

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_scaler
-from jmp_scaler._adam16 import adam, adamw, low_precision_optimizer, scale_by_adam
-from jmp_scaler._stochastic import (
+from jmp_scaler.lowbit._adam16 import adam, adamw, low_precision_optimizer, scale_by_adam
+from jmp_scaler.lowbit._stochastic import (
     applied_update,
     kahan_summation,
     random_bits,

@@ -309,7 +309,7 @@ def _reductions(leaves):
 
 
 def test_small_leaves_of_one_shape_share_their_reductions():
-  from jmp_scaler._scaler import GROUP_BELOW, GROUP_SIZE
+  from jmp_scaler.scaling._scaler import GROUP_BELOW, GROUP_SIZE
 
   small = lambda n: [jnp.ones((8, 8)) for _ in range(n)]  # noqa: E731
   # 33 and 64 leaves: two groups each, so the same reductions (one a leaf would add 31+).

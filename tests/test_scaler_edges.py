@@ -10,15 +10,15 @@ import optax
 import pytest
 from flax import nnx
 
-from jmp_scaler import _scaler
-from jmp_scaler._accumulate import accumulate_gradients
-from jmp_scaler._lookup import get_scale
-from jmp_scaler._nnx import NNXOptimizer
-from jmp_scaler._nonfinite import nonfinite_report
-from jmp_scaler._scaler import dynamic_scale, fixed_scale, no_scale, unscale
-from jmp_scaler._skip import skip_nonfinite
-from jmp_scaler._train_state import TrainState
-from jmp_scaler._underflow import underflow_report
+from jmp_scaler.diagnostics._nonfinite import nonfinite_report
+from jmp_scaler.diagnostics._underflow import underflow_report
+from jmp_scaler.scaling import _scaler
+from jmp_scaler.scaling._accumulate import accumulate_gradients
+from jmp_scaler.scaling._lookup import get_scale
+from jmp_scaler.scaling._scaler import dynamic_scale, fixed_scale, no_scale, unscale
+from jmp_scaler.scaling._skip import skip_nonfinite
+from jmp_scaler.training._nnx_optimizer import NNXOptimizer
+from jmp_scaler.training._train_state import TrainState
 
 
 def _odd_state(value):

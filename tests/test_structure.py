@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jmp_scaler._accumulate import accumulate_gradients
-from jmp_scaler._scaler import dynamic_scale
-from jmp_scaler._skip import skip_nonfinite
-from jmp_scaler._train_state import TrainState
+from jmp_scaler.scaling._accumulate import accumulate_gradients
+from jmp_scaler.scaling._scaler import dynamic_scale
+from jmp_scaler.scaling._skip import skip_nonfinite
+from jmp_scaler.training._train_state import TrainState
 from tests._subprocess import run_benchmark
 
 

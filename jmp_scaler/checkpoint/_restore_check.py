@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_scaler._lookup import CONFIG_LEAVES, is_scale_state
-from jmp_scaler._scaler import LossScaleState
+from jmp_scaler.scaling._lookup import CONFIG_LEAVES, is_scale_state
+from jmp_scaler.scaling._scaler import LossScaleState
 
 Mismatch = Literal["raise", "saved", "target"]
 MODES = ("raise", "saved", "target")

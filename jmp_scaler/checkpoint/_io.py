@@ -17,8 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx, serialization
 
-from jmp_scaler._lookup import is_scale_state
-from jmp_scaler._restore_check import Mismatch, check_mode, check_restored, reconcile
+from jmp_scaler.checkpoint._restore_check import Mismatch, check_mode, check_restored, reconcile
+from jmp_scaler.scaling._lookup import is_scale_state
 
 
 def _is_nnx(x: Any) -> bool:

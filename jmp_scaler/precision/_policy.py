@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_scaler._scaler import dynamic_scale, no_scale
+from jmp_scaler.scaling._scaler import dynamic_scale, no_scale
 
 T = TypeVar("T")
 
@@ -155,7 +155,7 @@ class Policy:
     16-bit Adam moments and a stochastically rounded update (8 bytes per
     parameter instead of 16; ``docs/bf16.md``).
     """
-    from jmp_scaler._adam16 import low_precision_optimizer  # _adam16 builds on this module
+    from jmp_scaler.lowbit._adam16 import low_precision_optimizer  # _adam16 builds on this module
 
     return low_precision_optimizer(self, learning_rate, **kwargs)
 

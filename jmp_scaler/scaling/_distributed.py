@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jmp_scaler._leaves import is_floating
-from jmp_scaler._lookup import find_scale_state
-from jmp_scaler._scaler import LossScaleState
+from jmp_scaler.scaling._lookup import find_scale_state
+from jmp_scaler.scaling._scaler import LossScaleState
 
 
 def _names(axis_name: Hashable | None) -> frozenset:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_scaler._scaler import LossScaleState, ScaleConfig
+from jmp_scaler.scaling._scaler import LossScaleState, ScaleConfig
 
 _FIELDS = frozenset(LossScaleState._fields)
 # The numeric (leaf) fields of ScaleConfig; axis_name and skip_mode are static.

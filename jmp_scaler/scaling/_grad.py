@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._lookup import get_scale
+from jmp_scaler.scaling._lookup import get_scale
 
 
 def _scale_of(source: Any) -> jax.Array:

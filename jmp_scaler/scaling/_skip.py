@@ -6,13 +6,19 @@ the gradients), then either ``lax.cond`` runs the whole chain or leaves every
 state untouched except the scaler's own, which backs off; or (``"select"``
 mode) the chain always runs and a fused ``jnp.where`` keeps the old values,
 each output chosen as the chain makes it (:func:`apply_or_skip`).
+
+A gradient's way, top to bottom: the caller (:func:`skip_nonfinite`,
+``TrainState.apply_gradients``, ``NNXOptimizer.update``) asks :func:`plan_step`
+once, which finds the scaler's state (``_lookup``) and asks the scaler
+(``_scaler.decide``) for the decision and the state a skip leaves; then
+:func:`apply_or_skip` runs the chain or keeps every old value.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend
@@ -21,40 +27,36 @@ import optax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
-from jmp_scaler._distributed import match_varying
-from jmp_scaler._leaves import row_major
-from jmp_scaler._lookup import find_scale_state, replace_scale_state
-from jmp_scaler._scaler import (
-  FINITE_KEY,
-  LossScaleState,
-  decision,
-  next_state,
-)
+from jmp_scaler.scaling._distributed import match_varying
+from jmp_scaler.scaling._lookup import find_scale_state, replace_scale_state
+from jmp_scaler.scaling._scaler import FINITE_KEY, LossScaleState, decide
 
 
-def find_and_decide(grads: Any, opt_state: Any, extra_args: dict[str, Any]):
-  """The scaler state in ``opt_state``, the finiteness decision, and ``grads`` to apply.
+class StepPlan(NamedTuple):
+  """A step's way through the skip, decided before the chain runs (:func:`plan_step`)."""
 
-  Returns ``(None, None, grads)`` when ``opt_state`` holds no scaler, and
-  reuses a decision already handed down through ``extra_args`` by an outer
-  wrapper. Otherwise the gradients come back :func:`row_major`: the check
-  and the chain both read those.
+  scaler: LossScaleState  #: the scaler's state found in ``opt_state``
+  finite: Any  #: whether to apply the step
+  grads: Any  #: the gradients to hand the chain (row-major)
+  skipped_state: Any  #: ``opt_state`` after a skipped step: only the scaler's state moved
+
+
+def plan_step(grads: Any, opt_state: Any, extra_args: dict[str, Any]) -> StepPlan | None:
+  """The scaler in ``opt_state``, asked once for the decision and the skipped state.
+
+  Returns ``None`` when ``opt_state`` holds no scaler. A decision already
+  handed down through ``extra_args`` by an outer wrapper is reused.
   """
   scaler = find_scale_state(opt_state)
   if scaler is None:
-    return None, None, grads
-  grads = row_major(grads)
-  return scaler, decision(grads, scaler, extra_args), grads
+    return None
+  finite, grads, backed_off = decide(grads, scaler, extra_args)
+  return StepPlan(scaler, finite, grads, replace_scale_state(opt_state, backed_off))
 
 
 def noop_updates(shapes: Any) -> Any:
   """``-0.0`` in every leaf of ``shapes``: ``p + -0.0`` keeps every bit of every float."""
   return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
-
-
-def skipped_state(opt_state: Any, scaler: LossScaleState) -> Any:
-  """``opt_state`` after a skipped step: only the scaler's state moves."""
-  return replace_scale_state(opt_state, next_state(scaler, False))
 
 
 def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
@@ -202,16 +204,17 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    scaler, finite, updates = find_and_decide(updates, state, extra_args)
-    if scaler is None or finite is True:
+    plan = plan_step(updates, state, extra_args)
+    if plan is None or plan.finite is True:
+      updates = updates if plan is None else plan.grads
       return inner.update(updates, state, params, **extra_args)
 
     def apply(decision):
-      return inner.update(updates, state, params, **{**extra_args, FINITE_KEY: decision})
+      return inner.update(plan.grads, state, params, **{**extra_args, FINITE_KEY: decision})
 
     def skip(shapes):
-      return noop_updates(shapes[0]), skipped_state(state, scaler)
+      return noop_updates(shapes[0]), plan.skipped_state
 
-    return apply_or_skip(scaler, finite, apply, skip)
+    return apply_or_skip(plan.scaler, plan.finite, apply, skip)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

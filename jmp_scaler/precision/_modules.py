@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from jmp_scaler._leaves import FLOAT32
-from jmp_scaler._policy import Policy, get_policy
+from jmp_scaler.precision._policy import Policy, get_policy
 
 
 def as_policy(name: str, value: Any) -> Policy:

@@ -471,6 +471,25 @@ def decision(updates: Any, state: LossScaleState, extra_args: dict[str, Any]) ->
   return all_finite(updates, state) if decided is None else decided
 
 
+class Decision(NamedTuple):
+  """What the skip asks the scaler, once per step (:func:`decide`)."""
+
+  finite: Any  #: apply the step: a bool array, or ``True`` handed down by an outer wrapper
+  grads: Any  #: the gradients as the check read them (:func:`row_major`), for the chain
+  skipped: LossScaleState  #: the scaler's state after a skipped step (backed off)
+
+
+def decide(grads: Any, state: LossScaleState, extra_args: dict[str, Any]) -> Decision:
+  """The finiteness decision for ``grads`` and the state a skip would leave.
+
+  The gradients come back :func:`row_major`: the check and the chain both read
+  those. A decision handed down through ``extra_args`` is reused
+  (:func:`decision`).
+  """
+  grads = row_major(grads)
+  return Decision(decision(grads, state, extra_args), grads, next_state(state, False))
+
+
 def refuse_partial_updates(updates: Any) -> None:
   """Raises if the scaler receives only part of the gradients (``optax.MaskedNode`` leaves).
 

@@ -2,7 +2,7 @@
 
 ``autocast(fun, policy)`` traces ``fun`` to a jaxpr and evaluates that jaxpr
 again, equation by equation, casting the floating inputs of each primitive as
-its rule says (:mod:`jmp_scaler._autocast_rules`): matmuls and convolutions in
+its rule says (:mod:`jmp_scaler.precision._rules`): matmuls and convolutions in
 the policy's compute dtype, exponentials, logarithms, powers and reductions in
 float32, everything else at the widest of its inputs. The re-evaluation binds
 ordinary primitives, so the result composes with ``jax.jit``, ``jax.grad``,
@@ -24,10 +24,10 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
 
-from jmp_scaler import _autocast_rules as R
-from jmp_scaler._autocast import as_policy
 from jmp_scaler._leaves import FLOAT32, is_real_floating
-from jmp_scaler._policy import Policy
+from jmp_scaler.precision import _rules as R
+from jmp_scaler.precision._modules import as_policy
+from jmp_scaler.precision._policy import Policy
 
 #: Name prefixes of the ``jit`` equations that mark regions: the interpreter of
 #: an enclosing ``autocast`` runs them as they are.

@@ -8,9 +8,9 @@ import jax
 import optax
 from flax import nnx
 
-from jmp_scaler._lookup import get_scale, scale_metrics
-from jmp_scaler._scaler import FINITE_KEY
-from jmp_scaler._skip import apply_or_skip, find_and_decide, noop_updates, skipped_state
+from jmp_scaler.scaling._lookup import get_scale, scale_metrics
+from jmp_scaler.scaling._scaler import FINITE_KEY
+from jmp_scaler.scaling._skip import apply_or_skip, noop_updates, plan_step
 
 
 def _flat(state: Any) -> dict[tuple, Any]:
@@ -102,10 +102,9 @@ class NNXOptimizer(nnx.Optimizer):
     snapshot, current = _restorable(model, restore_on_skip, self.graph)
     opt_state = nnx.as_pure(self.opt_state)
     grads_in = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    scaler, finite, grads_in = find_and_decide(grads_in, opt_state, {})
-    if scaler is None:
+    plan = plan_step(grads_in, opt_state, {})
+    if plan is None:
       return super().update(model, grads, **kwargs)
-    grads = grads_in
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     tx = optax.with_extra_args_support(self.tx)
     kwargs = nnx.as_pure(kwargs)
@@ -113,14 +112,15 @@ class NNXOptimizer(nnx.Optimizer):
 
     def apply(decision):
       extra = {**kwargs, FINITE_KEY: decision}
-      updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
+      updates, new_opt_state = tx.update(plan.grads, opt_state, params, **extra)
       new_params = optax.apply_updates(params, updates)
       return updates, new_params, new_opt_state, step + 1, current
 
     def skip(shapes):
-      return noop_updates(shapes[0]), params, skipped_state(opt_state, scaler), step, snapshot
+      return noop_updates(shapes[0]), params, plan.skipped_state, step, snapshot
 
-    updates, new_params, new_opt_state, new_step, kept = apply_or_skip(scaler, finite, apply, skip)
+    updates, new_params, new_opt_state, new_step, kept = apply_or_skip(
+        plan.scaler, plan.finite, apply, skip)
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
     self.step[...] = new_step

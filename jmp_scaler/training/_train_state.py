@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from jmp_scaler._lookup import get_scale, scale_metrics
-from jmp_scaler._scaler import FINITE_KEY
-from jmp_scaler._skip import apply_or_skip, find_and_decide, skipped_state
+from jmp_scaler.scaling._lookup import get_scale, scale_metrics
+from jmp_scaler.scaling._scaler import FINITE_KEY
+from jmp_scaler.scaling._skip import apply_or_skip, plan_step
 
 _OWG = train_state.OVERWRITE_WITH_GRADIENT
 
@@ -60,14 +60,14 @@ class TrainState(train_state.TrainState):
     owg = not isinstance(grads, jax.Array) and _OWG in grads
     grads_opt = grads["params"] if owg else grads
     params_opt = self.params["params"] if owg else self.params
-    scaler, finite, grads_opt = find_and_decide(grads_opt, self.opt_state, {})
-    if scaler is None:
+    plan = plan_step(grads_opt, self.opt_state, {})
+    if plan is None:
       return super().apply_gradients(grads=grads, **kwargs)
     tx = optax.with_extra_args_support(self.tx)
 
     def apply(decision):
       updates, opt_state = tx.update(
-          grads_opt, self.opt_state, params_opt, **{FINITE_KEY: decision}
+          plan.grads, self.opt_state, params_opt, **{FINITE_KEY: decision}
       )
       new = optax.apply_updates(params_opt, updates)
       if owg:
@@ -79,9 +79,9 @@ class TrainState(train_state.TrainState):
     def skip(shapes):
       del shapes
       old = {k: getattr(self, k) for k in kwargs}
-      return self.params, skipped_state(self.opt_state, scaler), self.step, old
+      return self.params, plan.skipped_state, self.step, old
 
-    params, opt_state, step, fields = apply_or_skip(scaler, finite, apply, skip)
+    params, opt_state, step, fields = apply_or_skip(plan.scaler, plan.finite, apply, skip)
     return self.replace(step=step, params=params, opt_state=opt_state, **fields)
 
   @property

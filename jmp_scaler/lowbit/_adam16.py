@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_scaler._stochastic import (
+from jmp_scaler.lowbit._stochastic import (
   check_seed,
   kahan_summation,
   leaf_specs,

@@ -11,8 +11,8 @@ from typing import Any
 
 import flax.linen as nn
 
-from jmp_scaler._autocast import as_policy, is_half, override_table, policy_for_type
-from jmp_scaler._policy import Policy
+from jmp_scaler.precision._modules import as_policy, is_half, override_table, policy_for_type
+from jmp_scaler.precision._policy import Policy
 
 #: Module types computed in float32 by default (their outputs go back to the
 #: compute dtype): the normalisation layers.

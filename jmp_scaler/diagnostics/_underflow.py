@@ -17,8 +17,8 @@ import numpy as np
 from flax import struct
 
 from jmp_scaler._leaves import real_parts
-from jmp_scaler._nonfinite import leaves_by_path, only_when, per_leaf, percent
-from jmp_scaler._policy import canonical_dtype
+from jmp_scaler.diagnostics._nonfinite import leaves_by_path, only_when, per_leaf, percent
+from jmp_scaler.precision._policy import canonical_dtype
 
 # frexp exponents of finite nonzero float32 magnitudes: |x| in [2^(e-1), 2^e).
 _EMIN, _EMAX = -149, 128

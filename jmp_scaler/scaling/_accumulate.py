@@ -20,8 +20,8 @@ import optax
 
 from jmp_scaler import _validation as validation
 from jmp_scaler._leaves import is_floating, math_dtype, row_major
-from jmp_scaler._lookup import find_scale_state, replace_scale_state
-from jmp_scaler._scaler import (
+from jmp_scaler.scaling._lookup import find_scale_state, replace_scale_state
+from jmp_scaler.scaling._scaler import (
   FINITE_KEY,
   LossScaleState,
   decision,
@@ -30,7 +30,7 @@ from jmp_scaler._scaler import (
   reciprocal,
   unscale_leaf,
 )
-from jmp_scaler._skip import apply_or_skip, noop_updates
+from jmp_scaler.scaling._skip import apply_or_skip, noop_updates
 
 _MODES = ("drop_micro_batch", "skip_window")
 

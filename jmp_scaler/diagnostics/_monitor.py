@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._lookup import find_scale_state
-from jmp_scaler._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE
+from jmp_scaler.scaling._lookup import find_scale_state
+from jmp_scaler.scaling._scaler import DEFAULT_MAX_SCALE, DEFAULT_MIN_SCALE
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
