@@ -1,9 +1,21 @@
 import os
+import sys
 
+import pytest
 from hypothesis import settings
 
 # Tests run on the CPU with one device; multi-device tests start subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The suite's programs are small and many: compiling them is most of its time, and most
+# of a compile is LLVM optimising code that runs for microseconds. These flags switch that
+# off (the same HLO, the same IEEE arithmetic: XLA:CPU never enables fast-math; the whole
+# suite passes either way), for this process and the subprocesses it starts. XLA reads
+# XLA_FLAGS when jax initialises its backend, so they are set before any test imports jax.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "jax" in sys.modules:
+  raise RuntimeError("jax was imported before tests/conftest.py could set XLA_FLAGS")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 # Hypothesis profiles. "ci" (selected when CI is set, as CI runs with CI=true): the
 # examples derive from each test's source, so a CI failure replays on any machine,
@@ -19,3 +31,22 @@ settings.load_profile(PROFILE)
 def pytest_report_header(config):
   profile = config.getoption("hypothesis_profile", None) or PROFILE
   return f"hypothesis profile: {profile} (derandomize={settings.default.derandomize})"
+
+
+def pytest_collection_finish(session):
+  """Starts every subprocess that a selected test reads (``tests/_subprocess.py``)."""
+  from tests import _subprocess
+
+  names = set()
+  for item in session.items:
+    for mark in item.iter_markers("runs"):
+      if item.get_closest_marker("slow") is None:
+        raise pytest.UsageError(f"{item.nodeid} waits for a subprocess: mark it slow too")
+      names.update(mark.args)
+  _subprocess.POOL.start(names)
+
+
+def pytest_sessionfinish(session):
+  from tests import _subprocess
+
+  _subprocess.POOL.stop()

@@ -357,6 +357,28 @@ def pmap_scenario(axis_name):
   }
 
 
+def axis_name_scenario():
+  """The scaler's decision with and without ``axis_name``, four devices, one row each.
+
+  Read by tests/test_scaler.py::test_axis_name_makes_every_device_take_the_same_decision.
+  """
+  mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+  grads = jax.device_put(jnp.ones((4, 3)).at[2, 1].set(jnp.inf), NamedSharding(mesh, P("d")))
+
+  def run(axis_name):
+    tx = jmp_scaler.dynamic_scale(axis_name=axis_name)
+    state = tx.init(None)
+
+    def update(g):  # each device sees only its own row
+      s = tx.update({"g": g}, state)[1]
+      return s.skipped[None], s.scale[None]
+
+    f = jax.shard_map(update, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)
+    return [np.asarray(x).tolist() for x in f(grads)]
+
+  return {"shared": run("d"), "local": run(None)}
+
+
 def main():
   assert jax.device_count() == N, jax.devices()
   scenarios = {
@@ -365,6 +387,7 @@ def main():
       "shard_map": shard_map_scenario,
       "accumulate": accumulate_scenario,
       "pmap": lambda: pmap_scenario("d"),
+      "axis_name": axis_name_scenario,
   }
   out = {}
   for name, fn in scenarios.items():

@@ -1,11 +1,7 @@
 """Gradient accumulation under a loss scaler: exact against a large batch built by hand."""
 
 import functools
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import chex
 import jax
@@ -15,8 +11,8 @@ import optax
 import pytest
 
 import jmp_scaler
+from tests._subprocess import output
 
-ROOT = Path(__file__).resolve().parents[1]
 K = 4
 SCALE = 2.0**10
 LR = 1e-2
@@ -387,36 +383,10 @@ def test_bad_arguments_raise_value_error(kwargs, match):
     jmp_scaler.accumulate_gradients(optax.sgd(0.1), **kwargs)
 
 
-EXAMPLE = [sys.executable, str(ROOT / "examples" / "accumulation.py"), "--steps", "2",
-           "--every-k", "2", "--bad-step", "1"]
-
-
-@pytest.fixture(scope="module")
-def example():
-  """The example's run; killed at the end if still running."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-  proc = subprocess.Popen(EXAMPLE, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  yield proc
-  if proc.poll() is None:
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _start_example_first(request):
-  """The example starts with the module's first test and runs alongside the others, unless
-  no selected test needs it (``-m "not slow"``)."""
-  if any(item.module is request.module and "example" in item.fixturenames
-         for item in request.session.items):
-    request.getfixturevalue("example")
-
-
 @pytest.mark.slow
-def test_example_runs(example):
-  # About 10 s alone; the margin covers a load of 10 on two cores.
-  out, err = example.communicate(timeout=900)
-  assert example.returncode == 0, err[-3000:]
+@pytest.mark.runs("accumulation")
+def test_example_runs():
+  out = output("accumulation")  # --bad-step 1: one NaN micro-batch in update 1
   # The leading count of each summary line (the example explains it after the number).
   count = lambda label: int(re.search(rf"^{label}: (\d+)\b", out, re.M).group(1))
   assert count("dropped micro-batches") >= 1, out  # the injected NaN micro-batch

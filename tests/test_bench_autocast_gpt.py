@@ -2,15 +2,15 @@
 
 import pytest
 
-from tests._subprocess import run_benchmark
+from tests._subprocess import output
 
-pytestmark = pytest.mark.slow  # a subprocess that compiles two training programs
+# A subprocess that compiles two training programs.
+pytestmark = [pytest.mark.slow, pytest.mark.runs("bench_autocast_gpt")]
 
 
 @pytest.fixture(scope="module")
 def rows():
-  lines = run_benchmark("bench_autocast.py", "--model", "gpt", "--quick", "--gpt-steps",
-                        "60").splitlines()
+  lines = output("bench_autocast_gpt").splitlines()
   head = next(i for i, ln in enumerate(lines) if ln.startswith("setup"))
   table = {}
   for ln in lines[head + 1:head + 3]:

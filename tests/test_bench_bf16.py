@@ -2,14 +2,15 @@
 
 import pytest
 
-from tests._subprocess import run_benchmark
+from tests._subprocess import output as run_output
 
-pytestmark = pytest.mark.slow  # a subprocess that compiles about twenty programs
+# A subprocess that compiles about twenty programs.
+pytestmark = [pytest.mark.slow, pytest.mark.runs("bench_bf16")]
 
 
 @pytest.fixture(scope="module")
 def output():
-  return run_benchmark("bench_bf16.py", "--quick")
+  return run_output("bench_bf16")
 
 
 def _table(text, number):

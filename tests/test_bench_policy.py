@@ -2,12 +2,13 @@
 
 import pytest
 
-from tests._subprocess import run_benchmark
+from tests._subprocess import output
 
 
 @pytest.mark.slow
+@pytest.mark.runs("bench_policy")
 def test_bench_policy_quick_prints_both_policies():
-  out = run_benchmark("bench_policy.py", "--quick")
+  out = output("bench_policy")
   rows = [line.split() for line in out.splitlines()[2:]]
   assert [r[0] for r in rows] == ["p=f32,c=bf16,o=f32", "f32"]
   for row in rows:

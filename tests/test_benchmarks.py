@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests._subprocess import run_benchmark
+from tests._subprocess import output
 
 pytestmark = pytest.mark.slow  # every test waits for a subprocess
 
@@ -23,12 +23,13 @@ def _rows(table):
 
 
 @pytest.fixture(scope="module")
-def cpu_tables(tmp_path_factory):
-  out = run_benchmark("bench_cpu.py", "--quick", "--profile", str(tmp_path_factory.mktemp("trace")))
+def cpu_tables():
+  out = output("bench_cpu")
   tables = re.split(r"\n## ", out)[1:]
   return {t.split(":")[0]: t for t in tables}
 
 
+@pytest.mark.runs("bench_cpu")
 def test_bench_cpu_quick_prints_every_variant_for_both_models(cpu_tables):
   assert sorted(cpu_tables) == ["mlp", "transformer"]
   expected = ["none", "trainstate", "optax", "flax", "apply_if_finite"]
@@ -43,6 +44,7 @@ def test_bench_cpu_quick_prints_every_variant_for_both_models(cpu_tables):
     assert float(rows["none"][3]) == 1.0
 
 
+@pytest.mark.runs("bench_cpu")
 def test_bench_cpu_quick_profile_lists_kernels_of_every_variant(cpu_tables):
   for table in cpu_tables.values():
     section = table.split("\nkernel time, ms per step")[1].strip().splitlines()[1:]
@@ -53,6 +55,7 @@ def test_bench_cpu_quick_profile_lists_kernels_of_every_variant(cpu_tables):
       assert float(total) >= 0 and first_kernel[0].isalpha(), line
 
 
+@pytest.mark.runs("bench_cpu")
 def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
   for table in cpu_tables.values():
     header = table.split("\n---")[0].splitlines()[-1].split()
@@ -66,8 +69,9 @@ def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
     assert _rows(table)["none"][-1] == "APPLIED"  # the overflow step is real
 
 
+@pytest.mark.runs("bench_gpu")
 def test_bench_gpu_quick_runs_on_cpu():
-  out = run_benchmark("bench_gpu.py", "--quick")
+  out = output("bench_gpu")
   rows = _rows(out)
   names = ["fp32", "bf16", "fp16", "fp16+cond", "fp16+select", "fp16+optax"]
   assert list(rows) == names

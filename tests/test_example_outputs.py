@@ -1,39 +1,28 @@
 """The examples' and the migration guide's output teaches what it claims (issue 10).
 
-Each example runs once, as a subprocess at a small size (two at a time, started
-on first use, so ``-m "not slow"`` starts none), and the tests read what it
-printed: the skipped steps named and told apart, integer counters printed as
+Each example runs once, as a subprocess at a small size (``tests/_subprocess.py``:
+in the background from the session's start; ``-m "not slow"`` starts none), and the
+tests read what it printed: the skipped steps named and told apart, integer counters printed as
 integers, the advice of the diagnostics consistent with the session around it,
 and the plots titled with what they show. The text checks at the top need no
 subprocess: every train step uses ``jmp_scaler.value_and_grad``, and the
 migration guide's corrections state what the peers really do.
 """
 
-import concurrent.futures
-import functools
 import pathlib
 import re
 import struct
-import sys
 
 import jax.numpy as jnp
 import optax
 import pytest
 
 import jmp_scaler
-from tests._subprocess import start_runs, stdout_of
+from tests._subprocess import GRADSCALER_BLOCK, output, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 MIGRATION = (ROOT / "docs" / "migration.md").read_text()
-# The first complete block of the migration guide: GradScaler's "after".
-GRADSCALER_BLOCK = (
-    "import re\n"
-    "text = open('docs/migration.md').read()\n"
-    "block = next(b for b in re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
-    "             if b.startswith('import '))\n"
-    "exec(compile(block, 'docs/migration.md', 'exec'), {})\n"
-)
 # A hand-scaled gradient: `grad(lambda p: loss(p) * scale)` or `... * get_scale(...)`.
 HAND_SCALED = re.compile(r"(jax\.grad|jax\.value_and_grad)\(lambda [^:]*:[^\n]*\*\s*(jmp_scaler\.)?"
                          r"(get_scale|scale\b|state\.loss_scale)")
@@ -129,35 +118,7 @@ def test_jmp_readme_dynamic_loss_scale_fails_on_its_first_adjust():
 
 
 # ---------------------------------------------------------------------------
-# Subprocess runs (slow): one per example, at a small size.
-
-
-def _commands(out: pathlib.Path) -> dict[str, list[str]]:
-  py = sys.executable
-  return {  # longest first: two run at a time
-      "checkpoint_resume": [py, "examples/checkpoint_resume.py", "--steps", "40",
-                            "--dir", str(out / "ckpt")],
-      "digits": [py, "examples/digits.py", "--steps", "30", "--hidden", "16", "--log-every",
-                 "10", "--growth-interval", "7", "--out", str(out / "plots")],
-      "debugging": [py, "examples/debugging.py", "--steps", "10", "--window", "5"],
-      "underflow": [py, "examples/underflow.py", "--steps", "10"],
-      "accumulation": [py, "examples/accumulation.py", "--steps", "4", "--every-k", "4"],
-      "gradscaler_block": [py, "-c", GRADSCALER_BLOCK],
-  }
-
-
-@functools.cache
-def _runs(out: pathlib.Path) -> dict[str, concurrent.futures.Future]:
-  return start_runs(_commands(out))
-
-
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("example_outputs")
-
-
-def output(name: str, out: pathlib.Path) -> str:
-  return stdout_of(_runs(out), name)
+# Subprocess runs (slow): tests/_subprocess.py's, shared with tests/test_examples.py.
 
 
 def png_title(path: pathlib.Path) -> str:
@@ -179,8 +140,11 @@ def png_title(path: pathlib.Path) -> str:
 
 
 @pytest.mark.slow
-def test_gradscaler_block_explains_calibration_and_prints_integers(out_dir):
-  text = output("gradscaler_block", out_dir)
+@pytest.mark.runs("docs")
+def test_gradscaler_block_explains_calibration_and_prints_integers():
+  # What the guide's first complete block printed, in the run of every complete block.
+  text = output("docs").split(f"== block {GRADSCALER_BLOCK} of docs/migration.md\n")[1]
+  text = text.split("== block ")[0]
   lines = re.findall(r"^step (\d+): loss ([\d.]+), skipped (True|False), "
                      r"skips so far (\S+), scale (\S+?)(  <- calibrating.*)?$", text, re.M)
   assert [int(s) for s, *_ in lines] == [1, 2, 3]
@@ -203,8 +167,9 @@ def test_gradscaler_block_explains_calibration_and_prints_integers(out_dir):
 
 
 @pytest.mark.slow
-def test_checkpoint_resume_names_its_skipped_steps(out_dir):
-  text = output("checkpoint_resume", out_dir)
+@pytest.mark.runs("checkpoint_resume")
+def test_checkpoint_resume_names_its_skipped_steps():
+  text = output("checkpoint_resume")
   rows = {int(m[1]): (float(m[3]), int(m[4]), m[5]) for m in re.finditer(  # scale, applied, note
       r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+(\d+)(.*)$", text, re.M)}
   assert sorted(rows) == list(range(40))
@@ -229,8 +194,9 @@ def test_checkpoint_resume_names_its_skipped_steps(out_dir):
 
 
 @pytest.mark.slow
-def test_accumulation_tells_the_injected_nan_from_the_calibration_overflow(out_dir):
-  text = output("accumulation", out_dir)
+@pytest.mark.runs("accumulation")
+def test_accumulation_tells_the_injected_nan_from_the_calibration_overflow():
+  text = output("accumulation")
   rows = [(int(m[1]), float(m[2]), int(m[3]), int(m[4]), m[5]) for m in re.finditer(
       r"^update\s+(\d+)\s+loss [\d.]+\s+scale\s+(\S+)\s+dropped (\d+)\s+skipped (\d)(.*)$",
       text, re.M)]
@@ -255,9 +221,10 @@ def test_accumulation_tells_the_injected_nan_from_the_calibration_overflow(out_d
 
 
 @pytest.mark.slow
-def test_digits_plots_show_accuracy_and_the_growth_interval(out_dir):
-  output("digits", out_dir)
-  plots = out_dir / "plots"
+@pytest.mark.runs("digits")
+def test_digits_plots_show_accuracy_and_the_growth_interval():
+  output("digits")
+  plots = run_dir("digits") / "plots"
   loss_title = png_title(plots / "digits_loss.png")
   assert "training loss" in loss_title and "test accuracy" in loss_title
   scale_title = png_title(plots / "digits_scale_fp16.png")
@@ -266,8 +233,9 @@ def test_digits_plots_show_accuracy_and_the_growth_interval(out_dir):
 
 
 @pytest.mark.slow
-def test_debugging_reads_the_input_advice_consistently_with_the_control(out_dir):
-  text = output("debugging", out_dir)
+@pytest.mark.runs("debugging")
+def test_debugging_reads_the_input_advice_consistently_with_the_control():
+  text = output("debugging")
   control = text.split("== 2.")[1].split("== 3.")[0]
   assert "no loss scale can fix this" in control
   step4 = text.split("== 4.")[1].split("== 5.")[0]
@@ -279,8 +247,9 @@ def test_debugging_reads_the_input_advice_consistently_with_the_control(out_dir)
 
 
 @pytest.mark.slow
-def test_underflow_names_a_scale_for_the_whole_loss(out_dir):
-  text = output("underflow", out_dir)
+@pytest.mark.runs("underflow")
+def test_underflow_names_a_scale_for_the_whole_loss():
+  text = output("underflow")
   aux, whole = text.split("underflow_report of the whole loss's gradients")
   aux_best = re.search(r"Scale too low: (\S+), the largest without overflow", aux)[1]
   assert f"That advice sees only the aux term: {float(aux_best):.3g}" in aux

@@ -1,15 +1,12 @@
 """One decision everywhere: 8 virtual CPU devices, one shard overflows, all skip.
 
 The scenarios run once, in a subprocess (``tests/md_worker.py`` sets
-``XLA_FLAGS`` before importing jax); the tests assert on what it reports.
+``XLA_FLAGS`` before importing jax; ``tests/_subprocess.py`` starts it with the
+session); the tests assert on what it reports.
 The checks that need no second device run here, on a one-device mesh.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,57 +17,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_scaler
+from tests._subprocess import output
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 SCALE = 2.0**10
 EXPECTED_SCALES = [SCALE, SCALE, SCALE / 2, SCALE / 2]  # step 2 overflows on one device
 N = 8
 
 
-# Seconds for the subprocesses: about a minute alone, three with two suites on two cores;
-# the margin covers a load of 10.
-TIMEOUT = 900
-FAST_COMPILE = "--xla_backend_optimization_level=0"  # tiny programs: compile time dominates
-COMMANDS = {
-    "worker": [sys.executable, str(TESTS / "md_worker.py")],
-    "example": [sys.executable, str(ROOT / "examples" / "data_parallel.py"), "--devices", "4",
-                "--steps", "3", "--bad-step", "1", "--fsdp"],
-}
-
-
 @pytest.fixture(scope="module")
-def started():
-  """Both subprocesses start together (two cores); killed at the end if still running."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
-  procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-           for name, cmd in COMMANDS.items()}
-  yield procs
-  for p in procs.values():
-    if p.poll() is None:
-      p.kill()
-      p.wait()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _start_first(request):
-  """The subprocesses start with the module's first test (the in-process tests run meanwhile),
-  unless no selected test needs them (``-m "not slow"``)."""
-  if any(item.module is request.module and "started" in item.fixturenames
-         for item in request.session.items):
-    request.getfixturevalue("started")
-
-
-def _finished(procs, name):
-  out, err = procs[name].communicate(timeout=TIMEOUT)
-  assert procs[name].returncode == 0, err[-3000:]
-  return out
-
-
-@pytest.fixture(scope="module")
-def report(started):
-  return json.loads(_finished(started, "worker").strip().splitlines()[-1])
+def report():
+  return json.loads(output("md_worker").strip().splitlines()[-1])
 
 
 def _scenario(report, name):
@@ -148,6 +104,7 @@ def test_scale_in_sync_in_process():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "fsdp"])
+@pytest.mark.runs("md_worker")
 def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
   r = _scenario(report, name)
   assert r["scales"] == r["ref_scales"] == EXPECTED_SCALES
@@ -163,12 +120,14 @@ def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
 
 
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_fsdp_keeps_params_and_moments_sharded(report):
   assert _scenario(report, "fsdp")["mu_spec"] == "P('d',)"
   assert _scenario(report, "dp")["mu_spec"] == "P()"
 
 
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
   dp, fsdp = _scenario(report, "dp"), _scenario(report, "fsdp")
   # Data parallel: the gradients are already replicated, the decision is local.
@@ -182,6 +141,7 @@ def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
 
 
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_shard_map_with_axis_name_every_device_skips(report):
   r = _scenario(report, "shard_map")
   assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
@@ -191,6 +151,7 @@ def test_shard_map_with_axis_name_every_device_skips(report):
 
 
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report):
   r = _scenario(report, "shard_map")
   drift = r["no_axis_unchecked_scales"]
@@ -204,6 +165,7 @@ def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report)
 
 
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(report):
   r = _scenario(report, "accumulate")
   # Window 0 (micro-batches 0, 1): device 3's micro-batch 1 overflows; every device
@@ -214,6 +176,7 @@ def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(r
 
 
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_pmap_with_axis_name_every_device_skips(report):
   r = _scenario(report, "pmap")
   assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
@@ -222,8 +185,9 @@ def test_pmap_with_axis_name_every_device_skips(report):
 
 
 @pytest.mark.slow
-def test_example_runs(started):
-  out = _finished(started, "example")
+@pytest.mark.runs("data_parallel")
+def test_example_runs():
+  out = output("data_parallel")
   lines = out.splitlines()
   assert "skipped=True" in lines[1] and "skipped=False" in lines[2]
   assert "devices: 4  applied updates: 2  total skips: 1" in out

@@ -1,10 +1,7 @@
 """The scaling rule: scripted histories, PyTorch equivalence, bounds, dtypes."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 import warnings
 
 import chex
@@ -18,6 +15,7 @@ from hypothesis import strategies as st
 
 import jmp_scaler
 from tests._reference import F32, reference_history
+from tests._subprocess import output
 
 _PAD = 96  # every scripted run is padded to this many steps: one compilation.
 
@@ -347,35 +345,14 @@ def test_non_floating_leaves_and_none_pass_through():
   assert not bool(state.skipped)
 
 
-_AXIS_SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np, jmp_scaler
-from jax.sharding import NamedSharding, PartitionSpec as P
-mesh = jax.make_mesh((4,), ("d",))
-grads = jax.device_put(jnp.ones((4, 3)).at[2, 1].set(jnp.inf), NamedSharding(mesh, P("d")))
-def run(axis_name):
-  tx = jmp_scaler.dynamic_scale(axis_name=axis_name)
-  state = tx.init(None)
-  def update(g):  # each device sees only its own row
-    s = tx.update({"g": g}, state)[1]
-    return s.skipped[None], s.scale[None]
-  f = jax.shard_map(update, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)
-  return [np.asarray(x).tolist() for x in f(grads)]
-import json
-print(json.dumps([run("d"), run(None)]))
-"""
-
-
 @pytest.mark.slow
+@pytest.mark.runs("md_worker")
 def test_axis_name_makes_every_device_take_the_same_decision():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  # About 20 s alone; the margin covers a load of 10 on two cores.
-  proc = subprocess.run([sys.executable, "-c", _AXIS_SCRIPT], env=env, capture_output=True,
-                        text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = proc.stdout
-  shared, local = json.loads(out)
-  assert shared == [[True] * 4, [2.0**15] * 4]
-  assert local == [[False, False, True, False], [2.0**16, 2.0**16, 2.0**15, 2.0**16]]
+  # tests/md_worker.py's axis_name scenario: four devices under shard_map, one holding an inf.
+  r = json.loads(output("md_worker").strip().splitlines()[-1])["axis_name"]
+  assert "error" not in r, r.get("error")
+  assert r["shared"] == [[True] * 4, [2.0**15] * 4]
+  assert r["local"] == [[False, False, True, False], [2.0**16, 2.0**16, 2.0**15, 2.0**16]]
 
 
 # --- jit stability ---------------------------------------------------------------------

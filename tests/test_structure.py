@@ -18,7 +18,7 @@ from jmp_scaler.scaling._accumulate import accumulate_gradients
 from jmp_scaler.scaling._scaler import dynamic_scale
 from jmp_scaler.scaling._skip import skip_nonfinite
 from jmp_scaler.training._train_state import TrainState
-from tests._subprocess import run_benchmark
+from tests._subprocess import output
 
 
 def _params(n):
@@ -166,8 +166,9 @@ def test_the_chain_is_traced_once_per_step():
 
 
 @pytest.mark.slow
+@pytest.mark.runs("bench_sweep")
 def test_bench_sweep_quick_prints_every_variant():
-  out = run_benchmark("bench_sweep.py", "--quick", "--models", "mlp8,gpt")
+  out = output("bench_sweep")
   tables = re.split(r"\n## ", out)[1:]
   assert [t.split(":")[0] for t in tables] == ["mlp8", "gpt"]
   expected = ["none", "ts_cond", "ts_select", "ts_select16", "skip", "accumulate", "aif", "bare"]
@@ -187,9 +188,9 @@ def test_bench_sweep_quick_prints_every_variant():
 
 
 @pytest.mark.slow
+@pytest.mark.runs("bench_sweep_codegen")
 def test_bench_sweep_codegen_reads_the_kernels_xla_compiled():
-  out = run_benchmark("bench_sweep.py", "--codegen", "--quick", "--models", "mlp8",
-                      "--variants", "ts_select")
+  out = output("bench_sweep_codegen")
   lines = out.splitlines()
   start = next(i for i, ln in enumerate(lines) if ln.startswith("---")) + 1
   rows = {ln.split()[0]: ln.split() for ln in lines[start:] if ln.strip()}
