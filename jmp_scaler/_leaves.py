@@ -77,7 +77,7 @@ def row_major(tree: Any) -> Any:
   that makes it, the gradient is read in order by all of them: x1.5-2.0 per
   step for ``cond`` at 64-256 leaves came down to x1.07-1.12, and 8 leaves of
   1024x1024 run x0.6 of a step without a scaler, whose Adam reads them with
-  strides (BENCHMARKS.md, "Leaf-count sweep"). Other backends choose their
+  strides (docs/performance.md). Other backends choose their
   own layouts (not measured there), and with several devices the constraint
   made XLA's partitioner gather sharded gradients (two more all-gathers on an
   FSDP step, ``tests/test_multidevice.py``): there the tree is returned as it is.

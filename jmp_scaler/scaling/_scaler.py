@@ -238,7 +238,7 @@ def dynamic_scale(
       branch in a buffer of their own). ``"auto"``, when the step is traced:
       ``"select"`` on GPU and CPU; ``"cond"`` on TPU and in
       ``accumulate_gradients`` with ``every_k > 1`` (the optimizer runs on one
-      call in ``every_k``) (BENCHMARKS.md, "Leaf-count sweep").
+      call in ``every_k``) (docs/performance.md).
       Both modes take the same decision and skip the same steps; a skipped step leaves the
       parameters and every optimizer state but the scaler's bit-identical, and
       the scaler's state is bit-identical between the modes. Applied steps
@@ -403,8 +403,8 @@ def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   ``GROUP_SIZE`` to a group, checked as ``all(isfinite(u1) & isfinite(u2) &
   ...)``: exactly the conjunction of their own checks, in one fused kernel and
   one reduction instead of three kernels a leaf. On small leaves those
-  kernels cost more to launch and to compile than to run (BENCHMARKS.md,
-  "Fourth pass"). Larger leaves keep their own reduction, which reads each
+  kernels cost more to launch and to compile than to run (docs/performance.md,
+  "The finiteness check"). Larger leaves keep their own reduction, which reads each
   one as soon as the backward pass has written it.
   """
   if not one_cpu_device():
@@ -437,13 +437,13 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   so it reads each one in order. (A ``sum(u - u)`` reduction was faster on a
   gradient left as its dot wrote it; on row-major ones it is slower: x0.56-0.71
   against x0.51-0.52 per step, +12.0 against +4.8 MiB, on 8 leaves of
-  1024x1024, BENCHMARKS.md.) On one XLA:CPU device, small leaves of one shape are
+  1024x1024, docs/performance.md.) On one XLA:CPU device, small leaves of one shape are
   checked together, a group at a time (:func:`_check_groups`). The flags are combined by one
   ``min``-reduction over an int32 vector, which XLA keeps as one materialised
   value: combined as ``all(stack(flags))`` (or a sum of partial sums) XLA
   rewrites them into a chain of scalar ops and copies that chain into every
   kernel that reads the decision, so compile time grew with the square of
-  the leaf count (BENCHMARKS.md, "Leaf-count sweep"). The check does not
+  the leaf count (docs/performance.md). The check does not
   survive fast-math flags, which let XLA assume that no inf or NaN exists
   (:func:`dynamic_scale` warns).
   """

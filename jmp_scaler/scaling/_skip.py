@@ -72,7 +72,7 @@ def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
   pure-Optax path (:func:`skip_nonfinite`) a conditional also writes the
   updates to a buffer of their own before ``optax.apply_updates`` reads them
   (+15.8 MiB and x0.80-0.96 against x0.57-0.58 on 8 leaves of 1024x1024).
-  BENCHMARKS.md, "Leaf-count sweep", has the figures.
+  docs/performance.md, has the figures.
   """
   mode = scaler.config.skip_mode
   if mode != "auto":
