@@ -33,6 +33,14 @@ def pytest_report_header(config):
   return f"hypothesis profile: {profile} (derandomize={settings.default.derandomize})"
 
 
+def pytest_collection_modifyitems(config, items):
+  """The tests that read a subprocess's output go last, in their order: the in-process tests
+  run first, while the subprocesses work in the background (``tests/_subprocess.py``)."""
+  del config
+  waits = [item.get_closest_marker("runs") is not None for item in items]
+  items[:] = [i for i, w in zip(items, waits) if not w] + [i for i, w in zip(items, waits) if w]
+
+
 def pytest_collection_finish(session):
   """Starts every subprocess that a selected test reads (``tests/_subprocess.py``)."""
   from tests import _subprocess
