@@ -12,7 +12,8 @@ each importing only from wings on lower floors (``tools/house.py`` draws it and
 * floor 0, the ground floor: ``_leaves`` (which leaves are touched, in which
   dtype) and ``_validation`` (argument checks);
 * floor 1: ``scaling`` (the scaler, the exact skip, accumulation, several
-  devices) and ``lowbit`` (stochastic rounding, Kahan summation, 16-bit Adam);
+  devices) and ``lowbit`` (stochastic rounding, Kahan summation, 16-bit Adam,
+  fp8 matmuls);
 * floor 2: ``precision`` (policies, autocast), ``training`` (``TrainState``,
   ``NNXOptimizer``) and ``checkpoint``;
 * floor 3: ``diagnostics`` (reports and the monitor).
@@ -66,6 +67,10 @@ from jmp_scaler.lowbit._adam16 import adamw as adamw
 from jmp_scaler.lowbit._adam16 import low_precision_optimizer as low_precision_optimizer
 from jmp_scaler.lowbit._adam16 import scale_by_adam as scale_by_adam
 
+# FP8 matmuls: per-tensor current scaling.
+from jmp_scaler.lowbit._fp8 import Fp8Recipe as Fp8Recipe
+from jmp_scaler.lowbit._fp8 import fp8_dot_general as fp8_dot_general
+
 # Scale-out: gradient accumulation, several devices.
 from jmp_scaler.scaling._accumulate import AccumulationState as AccumulationState
 from jmp_scaler.scaling._accumulate import accumulate_gradients as accumulate_gradients
@@ -95,6 +100,7 @@ __all__ = (
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MIN_SCALE",
     "DEFAULT_RULES",
+    "Fp8Recipe",
     "KahanState",
     "LINEN_FLOAT32_MODULES",
     "LossScaleState",
@@ -122,6 +128,7 @@ __all__ = (
     "dynamic_scale",
     "find_scale_state",
     "fixed_scale",
+    "fp8_dot_general",
     "from_bytes",
     "full_precision",
     "get_policy",

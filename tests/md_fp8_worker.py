@@ -1,0 +1,155 @@
+"""fp8_dot_general on 8 virtual CPU devices; run by tests/test_fp8_multidevice.py.
+
+Run as a script: it sets ``XLA_FLAGS`` before importing jax, plays every
+scenario (one fp8 MLP's loss and gradients, the same data everywhere) and
+prints one JSON object: for each scenario, the largest difference from the
+one-device result, per output. A scenario that raises reports its traceback.
+
+Device 3's block of the batch is 100x larger than the rest, so a scale taken
+from one block's amax instead of the whole tensor's changes the result
+(``per_shard_control`` measures by how much).
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jmp_scaler  # noqa: E402
+
+N = 8
+DN = (((1,), (0,)), ((), ()))
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  x[24:32] *= 100.0  # device 3's block holds the batch's amax
+  w1 = (rng.normal(size=(16, 32)) / 4).astype(np.float32)
+  w2 = (rng.normal(size=(32, 8)) / 6).astype(np.float32)
+  return x, {"w1": w1, "w2": w2}
+
+
+def mlp(p, x, axis=None):
+  h = jnp.tanh(jmp_scaler.fp8_dot_general(x, p["w1"], DN))
+  y = jmp_scaler.fp8_dot_general(h, p["w2"], DN)
+  if axis is not None:  # tensor parallel: w2 holds a block of the output features
+    return lax.psum(jnp.sum(jnp.sin(y)), axis)
+  return jnp.sum(jnp.sin(y))
+
+
+value_and_grads = jax.value_and_grad(mlp, argnums=(0, 1))
+
+
+def flat(out):
+  """``[loss, dw1, dw2, dx]`` as NumPy arrays."""
+  loss, (gp, gx) = out
+  return [np.asarray(a) for a in (loss, gp["w1"], gp["w2"], gx)]
+
+
+def diffs(out, ref):
+  return [float(np.max(np.abs(a - b))) for a, b in zip(flat(out), flat(ref), strict=True)]
+
+
+def reference():
+  x, p = data()
+  return jax.jit(value_and_grads, compiler_options=FAST)(p, x)
+
+
+def jit_auto(ref):
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Auto,))
+  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+  ps = jax.device_put(p, NamedSharding(mesh, P()))
+  return {"diffs": diffs(jax.jit(value_and_grads, compiler_options=FAST)(ps, xs), ref)}
+
+
+def jit_explicit(ref):
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    xs, ps = jax.device_put(x, P("d")), jax.device_put(p, P())
+    out = jax.jit(value_and_grads, compiler_options=FAST)(ps, xs)
+    # out_sharding, as under explicit sharding: the result lands where it is asked to.
+    y = jax.jit(lambda x, w: jmp_scaler.fp8_dot_general(x, w, DN, out_sharding=P(None, "d")),
+                compiler_options=FAST)(xs, jax.device_put(p["w2"][:16], P()))
+  return {"diffs": diffs(out, ref), "out_spec": str(y.sharding.spec)}
+
+
+def shard_map_dp(ref, check_vma):
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Auto,))
+
+  def body(p, x):
+    loss, (gp, gx) = value_and_grads(p, x)
+    if not check_vma:  # JAX does not sum a replicated weight's gradient for us
+      gp = jax.tree.map(lambda g: lax.psum(g, "d"), gp)
+    return lax.psum(loss, "d"), (gp, gx)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), (P(), P("d"))),
+                     check_vma=check_vma)
+  return {"diffs": diffs(jax.jit(fn, compiler_options=FAST)(p, x), ref)}
+
+
+def shard_map_2d(ref):
+  """Data parallel along "d" and tensor parallel along "m" (w2's output features)."""
+  x, p = data()
+  mesh = jax.make_mesh((4, 2), ("d", "m"), axis_types=(AxisType.Auto,) * 2)
+
+  def body(p, x):
+    loss, (gp, gx) = jax.value_and_grad(lambda p, x: mlp(p, x, "m"), argnums=(0, 1))(p, x)
+    return lax.psum(loss, "d"), (gp, gx)
+
+  specs = {"w1": P(), "w2": P(None, "m")}
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("d")),
+                     out_specs=(P(), (specs, P("d"))))
+  return {"diffs": diffs(jax.jit(fn, compiler_options=FAST)(p, x), ref)}
+
+
+def per_shard_control(ref):
+  """What a scale from each block's own amax gives (Megatron-LM PR#442's bug)."""
+  x, p = data()
+  f = jax.jit(lambda x, w: jmp_scaler.fp8_dot_general(x, w, DN), compiler_options=FAST)
+  whole = np.asarray(f(x, p["w1"])).reshape(N, 8, -1)
+  blocks = np.stack([np.asarray(f(x[i * 8:(i + 1) * 8], p["w1"])) for i in range(N)])
+  # Each block's largest difference, relative to the block's own largest value.
+  rel = np.max(np.abs(blocks - whole), axis=(1, 2)) / np.max(np.abs(whole), axis=(1, 2))
+  return {"block_rel_diffs": rel.tolist()}
+
+
+def main():
+  assert jax.device_count() == N, jax.devices()
+  ref = reference()
+  scenarios = {
+      "jit_auto": lambda: jit_auto(ref),
+      "jit_explicit": lambda: jit_explicit(ref),
+      "shard_map": lambda: shard_map_dp(ref, check_vma=True),
+      "shard_map_no_check_vma": lambda: shard_map_dp(ref, check_vma=False),
+      "shard_map_2d": lambda: shard_map_2d(ref),
+      "per_shard_control": lambda: per_shard_control(ref),
+  }
+  out = {"ref_max": [float(np.max(np.abs(a))) for a in flat(ref)]}
+  for name, fn in scenarios.items():
+    try:
+      out[name] = fn()
+    except Exception:  # noqa: BLE001 - reported to the test
+      out[name] = {"error": traceback.format_exc()}
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()

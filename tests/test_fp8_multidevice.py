@@ -1,0 +1,57 @@
+"""fp8_dot_general on 8 virtual CPU devices: every shard uses the whole tensor's scale.
+
+The scenarios run once, in a subprocess (``tests/md_fp8_worker.py`` sets
+``XLA_FLAGS`` before importing jax); the tests assert on what it reports.
+Each compares an fp8 MLP's loss and gradients with the one-device result.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # every test waits for the subprocess
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT = 900  # about 7 s alone; the margin covers a load of 10 on two cores
+# Differences left by summing the float32 partial products in another order (rows of the
+# batch on other devices), relative to the largest value of each output.
+REL_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def report():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(TESTS / "md_fp8_worker.py")], cwd=TESTS.parent,
+                        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _scenario(report, name):
+  r = report[name]
+  assert "error" not in r, r.get("error")
+  return r
+
+
+@pytest.mark.parametrize(
+    "name", ["jit_auto", "jit_explicit", "shard_map", "shard_map_no_check_vma", "shard_map_2d"])
+def test_eight_devices_give_the_one_device_loss_and_gradients(report, name):
+  diffs = _scenario(report, name)["diffs"]  # loss, dw1, dw2, dx
+  rel = [d / m for d, m in zip(diffs, report["ref_max"], strict=True)]
+  assert max(rel) <= REL_TOL, dict(zip(["loss", "dw1", "dw2", "dx"], rel, strict=True))
+
+
+def test_a_scale_from_each_shards_own_amax_would_differ(report):
+  # The control: the blocks of small rows, scaled by their own amax instead of the batch's,
+  # change by far more than the tolerance above (so the tests above can fail).
+  rel = _scenario(report, "per_shard_control")["block_rel_diffs"]
+  assert rel[3] == 0.0  # device 3's block holds the batch's amax: the same scale
+  assert min(rel[:3] + rel[4:]) > 1000 * REL_TOL, rel
+
+
+def test_out_sharding_is_honoured_under_explicit_sharding(report):
+  assert _scenario(report, "jit_explicit")["out_spec"] == "P(None, 'd')"
