@@ -14,13 +14,26 @@ the table gives each one's median step time and its ratio to bf16:
   fp16+optax    jmp_scaler.skip_nonfinite(chain(dynamic_scale(), adam)) +
                 optax.apply_updates (skip_mode "auto": select on GPU)
 
+  fp8           bfloat16 compute, the four projections of every block (qkv, out, up,
+                down) as jmp_scaler.fp8_dot_general (per-tensor current scaling);
+                attention einsums, LayerNorm and softmax as in bf16; no scaler
+
 The scaled variants against ``fp16`` are the scaler's cost; ``fp16+select``
 against ``fp16+cond`` says whether a fused select beats ``lax.cond`` (whose
-predicate may travel to the host every step) on this GPU. Compilation counts
-against ``--budget``: timing stops after the round that passes it.
+predicate may travel to the host every step) on this GPU; ``fp8`` against
+``bf16`` is what fp8 GEMMs buy. Compilation counts against ``--budget``: timing
+stops after the round that passes it.
+
+After the table, the fp8 report: the fp8 ``dot_general`` sites of the lowered fp8
+step (3 per projection: forward, dgrad, wgrad) against the fp8 GEMMs of its
+compiled HLO (``__cublas$lt$matmul$f8`` custom calls, and dots of fp8 operands
+left to a Triton GEMM fusion). A site XLA:GPU did not make an fp8 GEMM fell back
+to a 16-bit dot silently (``TurnF8DotIntoF16Dot``); XLA:CPU has no fp8 GEMM.
 
   python benchmarks/bench_gpu.py            # stays within --budget 240 s (+ start-up)
   python benchmarks/bench_gpu.py --quick    # tiny sizes, runs on a CPU too
+  python benchmarks/bench_gpu.py --fp8-check   # bf16 and fp8 only, d=2048 blocks, under
+      # 5 minutes on an H200; exits 1 on a GPU where an fp8 site is not an fp8 GEMM
   python benchmarks/bench_gpu.py --hlo /tmp/hlo_gpu   # also keep each step's HLO: look
       # for `conditional`, and for `copy` of Adam's mu/nu in fp16+select
 """
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -50,14 +64,52 @@ import _models  # noqa: E402
 SCALE = 2.0**12  # initial loss scale: every timed step should be finite (checked)
 
 
+def _fp8_mm(x, w):
+  """``x @ w`` as an fp8 GEMM."""
+  return jmp_scaler.fp8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def fp8_loss(model, params, batch, compute_dtype=jnp.bfloat16):
+  """``model.loss`` (a ``_models.Transformer``) with its projections as fp8 GEMMs.
+
+  The same blocks line for line, but ``x @ w`` is ``_fp8_mm(x, w)`` for qkv, out,
+  up and down; the attention einsums stay in ``compute_dtype`` (as TE keeps them).
+  """
+  p = _models._cast(params, compute_dtype)
+  h = batch["x"].astype(compute_dtype)
+  for blk in p["blocks"]:
+    x = _models._layer_norm(h, blk["ln1"])
+    b, t, d = x.shape
+    hd = d // model.heads
+    qkv = (_fp8_mm(x, blk["qkv"]["w"]) + blk["qkv"]["b"]).reshape(b, t, 3, model.heads, hd)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    w = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1).astype(x.dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, d)
+    h = h + _fp8_mm(o, blk["out"]["w"]) + blk["out"]["b"]
+    u = _fp8_mm(_models._layer_norm(h, blk["ln2"]), blk["up"]["w"]) + blk["up"]["b"]
+    h = h + _fp8_mm(jax.nn.gelu(u), blk["down"]["w"]) + blk["down"]["b"]
+  return jnp.mean(jnp.square(h.astype(jnp.float32) - batch["y"]))
+
+
+def fp8_report(lowered_text: str, compiled_text: str) -> dict:
+  """The fp8 sites of a lowered step and the fp8 GEMMs of its compiled HLO."""
+  sites = len(re.findall(r"stablehlo\.dot_general [^\n]*: \(tensor<[^>]*xf8E[^>]*>, "
+                         r"tensor<[^>]*xf8E[^>]*>\)", lowered_text))
+  cublas = compiled_text.count('custom_call_target="__cublas$lt$matmul$f8"')
+  triton = len(re.findall(r"= [^\n]* dot\(f8e", compiled_text))  # fp8 dots inside fusions
+  return {"sites": sites, "cublas_f8": cublas, "triton_f8": triton}
+
+
 def variants(model, lr=1e-4):
   """name -> (init(params) -> state, step(state, batch) -> state, scale(state))."""
   adam = optax.adam(lr)
 
-  def plain(dtype):
+  def plain(dtype, loss=model.loss):
     def step(state, batch):
       params, opt_state = state
-      grads = jax.grad(model.loss)(params, batch, dtype)
+      grads = jax.grad(loss)(params, batch, dtype)
       updates, opt_state = adam.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
@@ -90,6 +142,7 @@ def variants(model, lr=1e-4):
       "fp16+select": trainstate("select"),
       "fp16+optax": (lambda p: (p, skip_tx.init(p)), optax_step,
                      lambda s: jmp_scaler.get_scale(s[1])),
+      "fp8": plain(jnp.bfloat16, loss=lambda p, b, dt: fp8_loss(model, p, b, dt)),
   }
 
 
@@ -101,6 +154,8 @@ def main(argv=None):
                       help="seconds, compilation included: no new round starts after it")
   parser.add_argument("--quick", action="store_true", help="tiny sizes (runs on a CPU)")
   parser.add_argument("--hlo", metavar="DIR", help="write each compiled step's HLO here")
+  parser.add_argument("--fp8-check", action="store_true",
+                      help="bf16 and fp8 only; exit 1 on a GPU where an fp8 site is no fp8 GEMM")
   args = parser.parse_args(argv)
   if args.quick:
     model = _models.Transformer(d=32, heads=2, ff=64, seq=16, batch=2, layers=2)
@@ -116,14 +171,20 @@ def main(argv=None):
   n_params = sum(x.size for x in jax.tree.leaves(params))
   batch = jax.device_put(model.batch_of(kb))
   vs = variants(model)
+  if args.fp8_check:  # two compiles of d=2048 blocks: the whole check stays under 5 minutes
+    vs = {name: vs[name] for name in ("bf16", "fp8")}
+    args.budget = min(args.budget, 150.0)
   start = time.perf_counter()
-  fns, states, info = {}, {}, {}
+  fns, states, info, texts = {}, {}, {}, {}
   for name, (init, step, _) in vs.items():
     t0 = time.perf_counter()
     fns[name] = jax.jit(step, donate_argnums=0)
     state = init(jax.tree.map(jnp.copy, params))
     state = jax.block_until_ready(fns[name](state, batch))
-    compiled = fns[name].lower(state, batch).compile()
+    lowered = fns[name].lower(state, batch)
+    compiled = lowered.compile()
+    if name == "fp8":
+      texts = {"lowered": lowered.as_text(), "compiled": compiled.as_text()}
     mem = compiled.memory_analysis()
     if args.hlo:
       os.makedirs(args.hlo, exist_ok=True)
@@ -155,7 +216,8 @@ def main(argv=None):
           f"{'temp MiB':>10}{'compile s':>11}  finite")
   print(head)
   print("-" * len(head))
-  bf16, fp16 = np.asarray(times["bf16"]), np.asarray(times["fp16"])
+  bf16 = np.asarray(times["bf16"])
+  fp16 = np.asarray(times["fp16"]) if "fp16" in times else None  # not run by --fp8-check
   for name, (_, _, scale_of) in vs.items():
     t = np.asarray(times[name])
     finite = (scale_of is None or float(scale_of(states[name])) == SCALE)
@@ -164,13 +226,27 @@ def main(argv=None):
     finite = finite and all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params_of))
     print(f"{name:<17}{1e3 * np.median(t):>10.2f}"
           f"{(np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t):>8.0%}"
-          f"{np.median(t / bf16):>9.3f}{np.median(t / fp16):>9.3f}"
+          f"{np.median(t / bf16):>9.3f}"
+          f"{'-' if fp16 is None else f'{np.median(t / fp16):.3f}':>9}"
           f"{info[name]['temp'] / 2**20:>10.1f}{info[name]['compile_s']:>11.1f}  "
           f"{'yes' if finite else 'NO'}")
   stats = getattr(dev, "memory_stats", lambda: None)() or {}
   if "peak_bytes_in_use" in stats:
     print(f"peak device memory: {stats['peak_bytes_in_use'] / 2**30:.1f} GiB")
+  r = fp8_report(texts["lowered"], texts["compiled"])
+  gemms = r["cublas_f8"] + r["triton_f8"]
+  speed = 1 / np.median(np.asarray(times["fp8"]) / bf16)  # the table's ratio, inverted
+  print(f"\nfp8 report: {r['sites']} fp8 sites lowered ({4 * model.layers} projections x 3); "
+        f"compiled: {r['cublas_f8']} cuBLASLt fp8 GEMMs + {r['triton_f8']} fp8 Triton dots "
+        f"= {gemms} of {r['sites']}; fp8 throughput {speed:.3f}x bf16")
+  if jax.default_backend() == "gpu":
+    if gemms < r["sites"]:
+      print(f"FALLBACK: {r['sites'] - gemms} fp8 sites run as 16-bit dots")
+      return 1
+  else:
+    print(f"({jax.default_backend()} has no fp8 GEMM: XLA upcasts the fp8 operands)")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

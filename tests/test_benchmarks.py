@@ -73,9 +73,12 @@ def test_bench_cpu_quick_jmp_scaler_traces_once_and_skips(cpu_tables):
 def test_bench_gpu_quick_runs_on_cpu():
   out = output("bench_gpu")
   rows = _rows(out)
-  names = ["fp32", "bf16", "fp16", "fp16+cond", "fp16+select", "fp16+optax"]
+  names = ["fp32", "bf16", "fp16", "fp16+cond", "fp16+select", "fp16+optax", "fp8"]
   assert list(rows) == names
   for name in names:
     assert float(rows[name][1]) > 0, rows[name]
     assert rows[name][-1] == "yes", rows[name]
   assert float(rows["bf16"][3]) == 1.0
+  # 2 blocks x 4 projections x (forward, dgrad, wgrad) lowered as fp8 dots; none compiled as
+  # an fp8 GEMM on XLA:CPU (the GPU run compares the two counts).
+  assert re.search(r"fp8 report: 24 fp8 sites lowered .* = 0 of 24; fp8 throughput", out), out
