@@ -120,6 +120,21 @@ def shard_map_2d(ref):
   return {"diffs": diffs(jax.jit(fn, compiler_options=FAST)(p, x), ref)}
 
 
+def unreduced():
+  """A partial sum (unreduced along "d", explicit sharding) is refused, not scaled."""
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    xs, w = jax.device_put(x, P(None, "d")), jax.device_put(p["w1"], P("d", None))
+    partial = lambda x, w: jnp.dot(x, w, out_sharding=P(None, None, unreduced={"d"}))
+    f = jax.jit(lambda x, w, w2: jmp_scaler.fp8_dot_general(partial(x, w), w2, DN))
+    try:
+      f(xs, w, jax.device_put(p["w2"], P()))
+    except ValueError as e:
+      return {"refused": str(e)}
+  return {"refused": None}
+
+
 def per_shard_control(ref):
   """What a scale from each block's own amax gives (Megatron-LM PR#442's bug)."""
   x, p = data()
@@ -141,6 +156,7 @@ def main():
       "shard_map_no_check_vma": lambda: shard_map_dp(ref, check_vma=False),
       "shard_map_2d": lambda: shard_map_2d(ref),
       "per_shard_control": lambda: per_shard_control(ref),
+      "unreduced": unreduced,
   }
   out = {"ref_max": [float(np.max(np.abs(a))) for a in flat(ref)]}
   for name, fn in scenarios.items():

@@ -413,6 +413,17 @@ def test_remat_and_scan_over_fp8_layers_match_the_unrolled_stack():
   assert dots and all(d["operands"][0].startswith("f8") and d["scaled"] for d in dots)
 
 
+def test_under_vmap_each_slice_is_scaled_as_its_own_tensor():
+  rng = np.random.default_rng(6)
+  xs = jnp.asarray(rng.normal(size=(3, 4, 16)) * np.array([1e-3, 1.0, 1e3])[:, None, None],
+                   jnp.float32)
+  w = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+  f = fast_jit(lambda x: DOT(x, w, DN))
+  got = fast_jit(jax.vmap(lambda x: DOT(x, w, DN)))(xs)
+  for i in range(3):
+    np.testing.assert_allclose(got[i], f(xs[i]), rtol=1e-6)
+
+
 class F16Mlp(nn.Module):
   dot: object = staticmethod(jmp_scaler.fp8_dot_general)
 

@@ -55,3 +55,8 @@ def test_a_scale_from_each_shards_own_amax_would_differ(report):
 
 def test_out_sharding_is_honoured_under_explicit_sharding(report):
   assert _scenario(report, "jit_explicit")["out_spec"] == "P(None, 'd')"
+
+
+def test_a_partial_sum_is_refused_rather_than_scaled_by_its_partial_amax(report):
+  msg = _scenario(report, "unreduced")["refused"]
+  assert msg and "unreduced along ['d']" in msg, msg

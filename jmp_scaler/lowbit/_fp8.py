@@ -126,12 +126,14 @@ _DEFAULT_RECIPE = Fp8Recipe()
 
 
 def _varying(x: jax.Array) -> tuple[frozenset, frozenset]:
-  """The manual mesh axes ``x`` varies along, and those it is unreduced along."""
+  """The manual mesh axes ``x`` varies along, and the mesh axes it is unreduced along."""
   aval = jax.typeof(x)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  unreduced = frozenset(getattr(spec, "unreduced", ()) or ())  # explicit sharding
   mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying), frozenset(mat.unreduced)
-  return frozenset(getattr(aval, "vma", ())), frozenset()
+  if mat is not None:  # inside shard_map
+    return frozenset(mat.varying), unreduced | frozenset(mat.unreduced)
+  return frozenset(getattr(aval, "vma", ())), unreduced
 
 
 def _amax_axes(x: jax.Array) -> tuple[str, ...]:
@@ -141,15 +143,15 @@ def _amax_axes(x: jax.Array) -> tuple[str, ...]:
   along; without it JAX does not track them, so every manual axis is taken
   (the ``pmax`` of a replicated value is the value itself).
   """
+  varying, unreduced = _varying(x)
+  if unreduced:
+    raise ValueError(
+        f"fp8_dot_general got an operand that is unreduced along {sorted(unreduced)} (a "
+        "partial sum): its amax is not known until it is summed; reduce it first")
   mesh = jax.sharding.get_abstract_mesh()
   manual = tuple(getattr(mesh, "manual_axes", ()))
   if not manual:
     return ()
-  varying, unreduced = _varying(x)
-  if unreduced:
-    raise ValueError(
-        f"fp8_dot_general got an operand that is unreduced along {sorted(unreduced)}: "
-        "its amax is not known until it is summed; reduce it (lax.psum) first")
   tracked = manual[0] in _varying(lax.axis_index(manual[0]))[0]  # check_vma is on
   return tuple(a for a in manual if a in varying) if tracked else manual
 
@@ -175,9 +177,9 @@ def quantize(x: jax.Array, dtype: np.dtype, recipe: Fp8Recipe) -> tuple[jax.Arra
     is the whole tensor's: under ``jit`` XLA reduces over every shard, and
     inside ``shard_map`` a ``pmax`` runs over the axes ``x`` is split along.
   """
+  axes = _amax_axes(x)
   x32 = x.astype(_F32)
   amax = jnp.max(jnp.abs(x32))
-  axes = _amax_axes(x)
   if axes:
     amax = lax.pmax(amax, axes)
   fp8_max = float(jnp.finfo(dtype).max)
