@@ -220,9 +220,9 @@ def _hp_dot(a, b, dims, dtype, out_sharding=None):
 class _Site(NamedTuple):
   """Everything static about one canonical matmul (hashable: a custom_vjp argument).
 
-  The operands are ``[batch,] x, y`` with one contracting and one free
-  dimension each; ``a_free``/``a_contract`` and ``b_free``/``b_contract``
-  are their positions. The output is ``[batch,] m, n``.
+  Each operand is ``[batch,]`` then one free and one contracting dimension, in
+  either order: ``a_contract`` and ``b_contract`` are the contracting ones'
+  positions (``a_free``, ``b_free`` the others'). The output is ``[batch,] m, n``.
   """
 
   recipe: Fp8Recipe
