@@ -545,14 +545,15 @@ def _digits_trainer(dot):
 
 
 def test_digits_mlp_with_fp8_dense_layers_trains_within_noise_of_bf16():
-  # Measured over 3 seeds: bf16 0.052 +- 0.012, fp8 0.058 +- 0.009 (f32 0.057 +- 0.009).
+  # Seeds 0-2: bf16 0.052 +- 0.012, fp8 0.060 +- 0.011 (f32 0.057 +- 0.009); the bar is
+  # 2.5 seed sds of bf16 (seed 0 differs by 0.007, the largest of the three by 0.023).
   bf16 = _digits_trainer(_bf16_dot)(0, 1.0)
   fp8 = _digits_trainer(jmp_scaler.fp8_dot_general)(0, 1.0)
-  assert bf16 < 0.1 and abs(fp8 - bf16) < 0.025, (fp8, bf16)
+  assert bf16 < 0.1 and abs(fp8 - bf16) < 0.03, (fp8, bf16)
 
 
 def test_magnitude_shifted_digits_learn_in_fp8_where_unscaled_casts_learn_nothing():
   fp8 = _digits_trainer(jmp_scaler.fp8_dot_general)(0, 2.0**-10)
   unscaled = _digits_trainer(_unscaled_fp8_dot)(0, 2.0**-10)
-  assert fp8 < 2.0, fp8  # measured 0.105 +- 0.010 over 3 seeds
+  assert fp8 < 2.0, fp8  # seeds 0-2: 0.106 +- 0.009 (f32 0.110 +- 0.009)
   assert unscaled > 2.29, unscaled  # ln 10 = 2.303: the inputs flush to zero in E4M3
