@@ -76,6 +76,7 @@ RUNS: dict[str, Run] = {
     "docs": Run((PY, "-c", DOCS, "docs/migration.md", "docs/diagnostics.md"), 15),
     # several devices in one process (tests/test_multidevice.py, test_scaler.py)
     "md_worker": Run((PY, "tests/md_worker.py"), 19),
+    "md_fp8_worker": Run((PY, "tests/md_fp8_worker.py"), 8),
     "data_parallel": Run((PY, "examples/data_parallel.py", "--devices", "4", "--steps", "3",
                           "--bad-step", "1", "--fsdp"), 6),
     # the benchmarks' smoke runs
@@ -86,7 +87,7 @@ RUNS: dict[str, Run] = {
     "bench_autocast_gpt": _bench("bench_autocast.py", "--model", "gpt", "--quick",
                                  "--gpt-steps", "60", cost=26),
     "bench_cpu": _bench("bench_cpu.py", "--quick", "--profile", "{dir}/trace", cost=20),
-    "bench_gpu": _bench("bench_gpu.py", "--quick", cost=17),
+    "bench_gpu": _bench("bench_gpu.py", "--quick", cost=20),
     "bench_policy": _bench("bench_policy.py", "--quick", cost=9),
 }
 

@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
   run first, while the subprocesses work in the background (``tests/_subprocess.py``)."""
   del config
   waits = [item.get_closest_marker("runs") is not None for item in items]
-  items[:] = [i for i, w in zip(items, waits) if not w] + [i for i, w in zip(items, waits) if w]
+  pairs = list(zip(items, waits, strict=True))
+  items[:] = [i for i, w in pairs if not w] + [i for i, w in pairs if w]
 
 
 def pytest_collection_finish(session):

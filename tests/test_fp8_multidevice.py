@@ -6,17 +6,14 @@ Each compares an fp8 MLP's loss and gradients with the one-device result.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every test waits for the subprocess
+from tests._subprocess import output
 
-TESTS = Path(__file__).resolve().parent
-TIMEOUT = 900  # about 7 s alone; the margin covers a load of 10 on two cores
+# Every test waits for the subprocess (tests/_subprocess.py starts it with the session).
+pytestmark = [pytest.mark.slow, pytest.mark.runs("md_fp8_worker")]
+
 # Differences left by summing the float32 partial products in another order (rows of the
 # batch on other devices), relative to the largest value of each output.
 REL_TOL = 1e-6
@@ -24,11 +21,7 @@ REL_TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def report():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, str(TESTS / "md_fp8_worker.py")], cwd=TESTS.parent,
-                        env=env, capture_output=True, text=True, timeout=TIMEOUT)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(output("md_fp8_worker").strip().splitlines()[-1])
 
 
 def _scenario(report, name):
