@@ -12,7 +12,6 @@ whenever it is jitted.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +25,7 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
 
 from jmp_scaler._leaves import FLOAT32, is_real_floating
 from jmp_scaler.precision import _rules as R
+from jmp_scaler.precision._casts import NONE, Planner
 from jmp_scaler.precision._modules import as_policy
 from jmp_scaler.precision._policy import Policy
 
@@ -45,14 +45,28 @@ def _is_weak(var: Any) -> bool:
   return (isinstance(var, Literal) and not aval.shape) or bool(getattr(aval, "weak_type", False))
 
 
-@dataclasses.dataclass(frozen=True)
 class _Interpreter:
-  policy: Policy
-  table: Mapping[str, str]
+  """Evaluates jaxprs under a policy and a rule table (see :mod:`._casts` for the plan)."""
 
-  def run(self, jaxpr: Any, args: Sequence[Any]) -> list:
-    """Evaluates a (closed) jaxpr on ``args`` under the rules."""
+  def __init__(self, policy: Policy, table: Mapping[str, str]):
+    self.policy, self.table = policy, table
+    self.planner = Planner(table, self._body_of)
+
+  @staticmethod
+  def _body_of(eqn: Any) -> Any:
+    """A call-like body to plan through; regions are run as they are, so not planned."""
+    if eqn.primitive.name in R.JIT_NAMES and R.jit_name(eqn).startswith(_MARKS):
+      return None
+    return R.call_body(eqn)
+
+  def run(self, jaxpr: Any, args: Sequence[Any], widened: Sequence | None = None) -> list:
+    """Evaluates a (closed) jaxpr on ``args`` under the rules.
+
+    ``widened`` says, for each argument, from which half dtypes the traced function
+    computed it by widening (a ``jit`` body's arguments); none if not given.
+    """
     closed = R.as_closed(jaxpr)
+    plan = self.planner.plan(closed.jaxpr, widened)
     env: dict[Any, Any] = {}
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
@@ -65,20 +79,25 @@ class _Interpreter:
         casts[key] = (x, R.cast(x, dtype))
       return casts[key][1]
 
-    for eqn in closed.jaxpr.eqns:
+    for i, eqn in enumerate(closed.jaxpr.eqns):
       info = eqn.source_info
+      args_i = [read(v) for v in eqn.invars]
       with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
-        outs = self.apply(eqn, [read(v) for v in eqn.invars], cast)
+        if i in plan.round_trips:
+          outs = args_i  # the end of a round trip: the value stays as autocast computed it
+        else:
+          rule = R.FLOAT32 if i in plan.float32 else None
+          outs = self.apply(eqn, args_i, cast, rule, plan.widened)
       env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in closed.jaxpr.outvars]
 
-  def transform(self, closed: ClosedJaxpr, args: Sequence[Any]) -> ClosedJaxpr:
+  def transform(self, closed: ClosedJaxpr, args: Sequence[Any], widened=None) -> ClosedJaxpr:
     """``closed`` rewritten for inputs shaped like ``args``."""
-    return jax.make_jaxpr(lambda *xs: self.run(closed, xs))(*args)
+    return jax.make_jaxpr(lambda *xs: self.run(closed, xs, widened))(*args)
 
-  def apply(self, eqn: Any, args: list, cast: Callable = R.cast) -> list:
+  def apply(self, eqn: Any, args: list, cast: Callable, rule: str | None, widened: Mapping) -> list:
     name = eqn.primitive.name
-    rule = self.table.get(name)
+    rule = rule or self.table.get(name)
     if rule == R.ORIGINAL:
       return self._original(eqn, args)
     if name in R.JIT_NAMES:
@@ -87,9 +106,13 @@ class _Interpreter:
         return R.rebind_jit(
           eqn, body, [R.cast(a, v.dtype) for a, v in zip(args, body.in_avals, strict=True)]
         )
-      return R.rebind_jit(eqn, self.transform(body, args), args)
+      inner = [NONE if isinstance(v, Literal) else widened.get(v, NONE) for v in eqn.invars]
+      return R.rebind_jit(eqn, self.transform(body, args, inner), args)
     if name in R.HIGHER_ORDER:
       return R.HIGHER_ORDER[name](self.run, eqn, args)
+    if R.is_scatter(eqn):
+      args, _ = self._cast(eqn, args, rule or R.PROMOTE, cast)
+      return R.rebind_scatter(eqn, args)
     if any(True for _ in jaxprs_in_params(eqn.params)):
       warnings.warn(
         f"jmp_scaler.autocast cannot rewrite the body of {name!r}; it runs at the dtypes "
@@ -109,17 +132,11 @@ class _Interpreter:
       if eqn.invars[0].aval.dtype == params["new_dtype"]:
         params["new_dtype"] = args[0].dtype
       return args, params
-    if not floats or rule == R.KEEP:
+    if not floats or rule not in R.TARGETS:
       return args, params
     dtypes = [args[i].dtype for i in floats]
-    if rule == R.COMPUTE:
-      target = self.policy.compute_dtype
-      target = R.widest([target, *[d for d in dtypes if np.dtype(d).itemsize > 4]])
-    elif rule == R.FLOAT32:
-      target = R.widest([FLOAT32, *dtypes])
-    else:  # promote: the widest, weak scalars not counted unless all are weak
-      strong = [args[i].dtype for i in floats if not _is_weak(eqn.invars[i])]
-      target = R.widest(strong or dtypes)
+    weak = [_is_weak(eqn.invars[i]) for i in floats]
+    target = R.TARGETS[rule](self.policy.compute_dtype, dtypes, weak)
     if len(set(dtypes)) > 1 or dtypes[0] != target:
       args = [cast(a, target) if i in floats else a for i, a in enumerate(args)]
     pref = params.get("preferred_element_type")
@@ -285,7 +302,7 @@ def autocast(
 
     closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*dyn)  # abstracts: vma, weak
     outs = interp.run(closed, dyn)
-    outs = [R.cast(o, policy.output_dtype) for o in outs]
+    outs = [R.cast_output(o, policy.output_dtype) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
   return _named_jit(body, fun, f"{AUTOCAST_MARK}[{policy}]({_fun_name(fun)})")

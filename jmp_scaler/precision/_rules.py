@@ -5,6 +5,8 @@ Each primitive has a rule, which decides the dtype its floating inputs are cast 
 * ``"compute"``: the policy's ``compute_dtype`` (PyTorch's lower-precision list);
 * ``"float32"``: float32, or wider if an input is wider (PyTorch's float32 list);
 * ``"promote"``: the widest floating input, scalar constants not counted (the default);
+* ``"reciprocal"``: float32 when a scalar constant is divided by a value (``1 / x``:
+  PyTorch's ``__rdiv__`` and ``__rtruediv__``), otherwise ``"promote"`` (``div``);
 * ``"original"``: the dtypes the function was traced with (for ops whose meaning
   depends on the bit layout, such as ``bitcast_convert_type``, and for host callbacks);
 * ``"keep"``: the inputs as they come, each in its own dtype (the default for
@@ -24,6 +26,8 @@ rebuild the primitive (``jax.custom_jvp``, ``jax.custom_vjp``, ``lax.scan``,
 
 from __future__ import annotations
 
+import difflib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,11 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 
-COMPUTE, FLOAT32, PROMOTE = "compute", "float32", "promote"
+COMPUTE, FLOAT32, PROMOTE, RECIPROCAL = "compute", "float32", "promote", "reciprocal"
 ORIGINAL, KEEP = "original", "keep"
-RULES = (COMPUTE, FLOAT32, PROMOTE, ORIGINAL, KEEP)
+RULES = (COMPUTE, FLOAT32, PROMOTE, RECIPROCAL, ORIGINAL, KEEP)
+#: The rules under which an op follows its inputs: one fed only to float32 ops runs in float32.
+FOLLOWING = (PROMOTE, RECIPROCAL)
 
 _COMPUTE_OPS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 _FLOAT32_OPS = (
@@ -61,24 +67,54 @@ DEFAULT_RULES: dict[str, str] = {
   **dict.fromkeys(_COMPUTE_OPS, COMPUTE),
   **dict.fromkeys(_FLOAT32_OPS, FLOAT32),
   **dict.fromkeys(_ORIGINAL_OPS, ORIGINAL),
+  "div": RECIPROCAL,
 }
 
 
 def rule_table(rules: Any) -> dict[str, str]:
-  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it."""
+  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it.
+
+  A name must be that of a primitive JAX (or any loaded module) defines; a primitive
+  object is accepted as it is, so a primitive of your own needs no registration.
+  """
   if rules is None:
     return dict(DEFAULT_RULES)
   if not isinstance(rules, dict):
     raise ValueError(f"rules must be a dict from primitive (or its name) to a rule, got {rules!r}")
   table = dict(DEFAULT_RULES)
   for key, rule in rules.items():
-    name = key if isinstance(key, str) else getattr(key, "name", None)
-    if not isinstance(name, str) or not name:
+    if isinstance(key, str):
+      name = key
+      _check_known(name)
+    elif isinstance(key, Primitive):
+      name = key.name
+    else:
       raise ValueError(f"rules keys must be primitives or primitive names, got {key!r}")
     if rule not in RULES:
       raise ValueError(f"rules[{name!r}] must be one of {RULES}, got {rule!r}")
     table[name] = rule
   return table
+
+
+def known_primitives() -> set[str]:
+  """The names of the primitives defined at the top level of every loaded module."""
+  names = set(DEFAULT_RULES) | set(HIGHER_ORDER) | set(JIT_NAMES)
+  for module in list(sys.modules.values()):
+    for value in list(getattr(module, "__dict__", {}).values()):
+      if isinstance(value, Primitive):
+        names.add(value.name)
+  return names
+
+
+def _check_known(name: str) -> None:
+  known = known_primitives()
+  if name not in known:
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise ValueError(
+      f"rules names an unknown primitive {name!r}{hint} (for a primitive of your own, "
+      "pass the primitive object as the key)"
+    )
 
 
 # ----------------------------------------------------------------- dtypes
@@ -107,6 +143,49 @@ def widest(dtypes: Sequence[Any]) -> Any:
   return out
 
 
+def is_half(dtype: Any) -> bool:
+  """Whether ``dtype`` is a floating dtype narrower than float32 (float16, bfloat16, fp8)."""
+  return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
+
+
+def cast_output(x: Any, dtype: Any) -> Any:
+  """``x`` in the policy's output ``dtype``; a float64 value is never narrowed."""
+  floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+  if floating and np.dtype(x.dtype).itemsize > max(4, np.dtype(dtype).itemsize):
+    return x
+  return cast(x, dtype)
+
+
+def _compute_target(compute: Any, dtypes: Sequence[Any], weak: Sequence[bool]) -> Any:
+  return widest([compute, *[d for d in dtypes if np.dtype(d).itemsize > 4]])
+
+
+def _float32_target(compute: Any, dtypes: Sequence[Any], weak: Sequence[bool]) -> Any:
+  return widest([np.dtype(np.float32), *dtypes])
+
+
+def _promote_target(compute: Any, dtypes: Sequence[Any], weak: Sequence[bool]) -> Any:
+  strong = [d for d, w in zip(dtypes, weak, strict=True) if not w]
+  return widest(strong or dtypes)
+
+
+def _reciprocal_target(compute: Any, dtypes: Sequence[Any], weak: Sequence[bool]) -> Any:
+  rule = _float32_target if len(weak) == 2 and weak[0] and not weak[1] else _promote_target
+  return rule(compute, dtypes, weak)
+
+
+#: Rule -> target(compute_dtype, floating input dtypes, which of them are weak scalars):
+#: the dtype the rule casts an equation's floating inputs to. "original" and "keep"
+#: cast nothing and are not here. A new rule kind that only chooses a dtype is one
+#: entry here and one name in RULES.
+TARGETS: dict[str, Callable] = {
+  COMPUTE: _compute_target,
+  FLOAT32: _float32_target,
+  PROMOTE: _promote_target,
+  RECIPROCAL: _reciprocal_target,
+}
+
+
 def join(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
   """Element-wise widest of two lists of dtypes (non-floating entries keep ``a``'s)."""
   return [
@@ -116,13 +195,23 @@ def join(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
 
 
 def struct(x: Any, dtype: Any = None, weak: bool = False) -> jax.ShapeDtypeStruct:
-  """The abstract value of ``x`` (sharding included), in ``dtype`` if given."""
+  """The abstract value of ``x`` (sharding and varying manual axes included), in ``dtype``.
+
+  Inside ``shard_map`` a value's type says over which mesh axes it varies (jax 0.10:
+  ``manual_axis_type``); a struct without it would make ``jax.eval_shape`` of a body
+  that mixes it with a varying value fail under ``check_vma``.
+  """
   aval = jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
-  if sharding is not None and not any(getattr(sharding, "spec", ())):
+  manual = getattr(aval, "manual_axis_type", None)
+  kwargs = {}
+  if manual is not None and not manual.empty:
+    kwargs["manual_axis_type"] = manual  # needs the manual mesh of the sharding with it
+  elif sharding is not None and not any(getattr(sharding, "spec", ())):
     sharding = None  # replicated: let the context decide
   return jax.ShapeDtypeStruct(
-    aval.shape, dtype or aval.dtype, sharding=sharding, weak_type=weak and aval.weak_type
+    aval.shape, dtype or aval.dtype, sharding=sharding, weak_type=weak and aval.weak_type,
+    **kwargs,
   )
 
 
@@ -323,3 +412,46 @@ def as_closed(jaxpr: Any) -> ClosedJaxpr:
 
 def is_jaxpr(x: Any) -> bool:
   return isinstance(x, (ClosedJaxpr, Jaxpr))
+
+
+def call_body(eqn) -> Jaxpr | None:
+  """The body of a call-like equation (``jit``, ``custom_jvp_call``, ``custom_vjp_call``,
+  ``checkpoint``) whose inputs are the equation's, one to one; None for any other."""
+  name, p = eqn.primitive.name, eqn.params
+  if name in JIT_NAMES or name in ("remat2", "checkpoint"):
+    body = p["jaxpr"]
+  elif name in ("custom_jvp_call", "custom_vjp_call"):
+    body = p["call_jaxpr"]
+  else:
+    return None
+  return body.jaxpr if isinstance(body, ClosedJaxpr) else body
+
+
+# ------------------------------------------------ scatters
+# jnp's ``x.at[i].add(v)`` (and .set/.mul/.min/.max) is a scatter whose combiner is a
+# jaxpr traced for the original dtypes; the public lax functions rebuild it for new ones.
+
+SCATTERS: dict[str, Callable] = {
+  "scatter": lax.scatter,
+  "scatter-add": lax.scatter_add,
+  "scatter-sub": lax.scatter_sub,
+  "scatter-mul": lax.scatter_mul,
+  "scatter-min": lax.scatter_min,
+  "scatter-max": lax.scatter_max,
+}
+
+
+def is_scatter(eqn) -> bool:
+  """A jnp-style scatter (``.at[]`` updates); ``lax.scatter_apply``'s own function is not."""
+  name = eqn.primitive.name
+  return name in SCATTERS and (name != "scatter" or eqn.params["update_jaxpr"] is None)
+
+
+def rebind_scatter(eqn, args: Sequence[Any]) -> list:
+  """The scatter of ``eqn`` on ``args`` (operand, indices, updates of one floating dtype)."""
+  p = eqn.params
+  out = SCATTERS[eqn.primitive.name](
+    *args, p["dimension_numbers"], indices_are_sorted=p["indices_are_sorted"],
+    unique_indices=p["unique_indices"], mode=p["mode"],
+  )
+  return [out]

@@ -1,0 +1,158 @@
+"""What the dtypes a traced function already holds mean under :func:`autocast`.
+
+``autocast`` sees a jaxpr, in which a cast that jnp, ``jax.nn`` or Flax inserted
+looks like one the user wrote. Before the jaxpr is evaluated again, one pass over
+it decides two things, from the dtypes it was traced with:
+
+* **Round trips.** A cast to a half-precision dtype ``D`` of a value that the
+  function computed from ``D`` values it had widened (``x16 -> float32 -> reduce ->
+  float16``: how ``jnp.sum``, ``jnp.var``, ``jax.nn.softmax``, Flax's norms and a
+  hand-written ``x.astype(jnp.float32) ... .astype(x.dtype)`` ask for a float32 op on
+  half-precision values) is not applied: the op is float32 under autocast, and its
+  result stays float32, as PyTorch's float32 ops return float32. Every other cast
+  is applied as written (``w.astype(jnp.float16)``, a deliberate rounding).
+* **Float32-fed ops.** An op that follows its inputs (``"promote"``) and whose
+  floating result is used only by float32 ops (an op under the ``"float32"`` rule,
+  a cast to float32 or wider, another such op) runs in float32 itself: the ``sub``
+  and ``abs`` of an L1 loss, the ``mul`` of ``addcmul``, the scaling of attention
+  scores before the softmax. Uses with no floating result (comparisons) do not count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Jaxpr, Literal, jaxprs_in_params
+
+from jmp_scaler.precision import _rules as R
+
+NONE: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The decisions for one jaxpr, given which half dtypes its inputs were widened from.
+
+  Attributes:
+    float32: indices of the equations run in float32 (float32-fed ops).
+    round_trips: indices of the casts not applied (the ends of round trips).
+    widened: value -> the half dtypes it was computed from by widening.
+    feeds_float32: for each input, whether only float32 ops use it.
+  """
+
+  float32: frozenset[int]
+  round_trips: frozenset[int]
+  widened: Mapping[Any, frozenset]
+  feeds_float32: tuple[bool, ...]
+
+
+def _floating(v: Any) -> bool:
+  return jnp.issubdtype(v.aval.dtype, jnp.floating)
+
+
+def _size(dtype: Any) -> int:
+  return np.dtype(dtype).itemsize
+
+
+def _is_convert(eqn: Any) -> bool:
+  return eqn.primitive.name == "convert_element_type"
+
+
+class Planner:
+  """Plans jaxprs under a rule table; the plans of shared bodies (jnp's jits) are cached."""
+
+  def __init__(self, table: Mapping[str, str], body_of: Callable[[Any], Jaxpr | None]):
+    self.table, self.body_of = table, body_of
+    self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  def rule(self, eqn: Any) -> str:
+    rule = self.table.get(eqn.primitive.name)
+    if rule is None:
+      rule = R.KEEP if eqn.primitive.multiple_results else R.PROMOTE
+    return rule
+
+  def plan(self, jaxpr: Jaxpr, widened_in: Sequence[frozenset] | None = None) -> Plan:
+    key = tuple(widened_in) if widened_in is not None else (NONE,) * len(jaxpr.invars)
+    per = self._cache.setdefault(jaxpr, {})
+    if key not in per:
+      round_trips, widened = self._round_trips(jaxpr, key)
+      float32, feeds = self._float32_fed(jaxpr)
+      per[key] = Plan(float32, round_trips, widened, feeds)
+    return per[key]
+
+  # -------------------------------------------------------------- round trips
+
+  def _round_trips(self, jaxpr: Jaxpr, widened_in: tuple) -> tuple[frozenset, dict]:
+    widened: dict[Any, frozenset] = dict(zip(jaxpr.invars, widened_in, strict=True))
+    get = lambda v: NONE if isinstance(v, Literal) else widened.get(v, NONE)
+    trips = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+      ins = NONE.union(*(get(v) for v in eqn.invars if _floating(v)))
+      if _is_convert(eqn):
+        outs = [self._through_cast(eqn, ins, trips, i)]
+      elif self.rule(eqn) == R.COMPUTE:
+        outs = [NONE] * len(eqn.outvars)  # a matmul's result is new, in the compute dtype
+      elif (body := self.body_of(eqn)) is not None:
+        inner = self.plan(body, [get(v) for v in eqn.invars])
+        outs = [NONE if isinstance(v, Literal) else inner.widened.get(v, NONE)
+                for v in body.outvars]  # fmt: skip
+      else:
+        outs = [ins] * len(eqn.outvars)
+      widened.update((v, w) for v, w in zip(eqn.outvars, outs, strict=True) if _floating(v))
+    return frozenset(trips), widened
+
+  @staticmethod
+  def _through_cast(eqn: Any, ins: frozenset, trips: set, i: int) -> frozenset:
+    src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
+      return NONE
+    if R.is_half(src) and not R.is_half(dst):
+      return ins | {np.dtype(src)}  # widened from src
+    if R.is_half(dst) and _size(dst) < _size(src):
+      if np.dtype(dst) in ins:
+        trips.add(i)  # the end of a round trip: not applied, the value stays as it is
+        return ins
+      return NONE  # narrowed as written
+    return ins
+
+  # -------------------------------------------------------------- float32-fed ops
+
+  def _float32_fed(self, jaxpr: Jaxpr) -> tuple[frozenset, tuple[bool, ...]]:
+    uses: dict[Any, list[tuple[int, int]]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      for k, v in enumerate(eqn.invars):
+        if not isinstance(v, Literal):
+          uses.setdefault(v, []).append((i, k))
+    returned = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    float32: set[int] = set()
+
+    def uses_in_float32(i: int, k: int) -> bool | None:  # None: no floating result
+      eqn = jaxpr.eqns[i]
+      if not any(_floating(v) for v in eqn.outvars):
+        return None
+      if i in float32 or self.rule(eqn) == R.FLOAT32:
+        return True
+      if _is_convert(eqn):
+        return _size(eqn.outvars[0].aval.dtype) >= max(4, _size(eqn.invars[0].aval.dtype))
+      body = self.body_of(eqn)
+      return body is not None and self.plan(body).feeds_float32[k]
+
+    def fed(v: Any) -> bool:
+      if v in returned or not _floating(v):
+        return False
+      verdicts = [uses_in_float32(i, k) for i, k in uses.get(v, ())]
+      return True in verdicts and False not in verdicts
+
+    for i in reversed(range(len(jaxpr.eqns))):
+      eqn = jaxpr.eqns[i]
+      if (
+        self.rule(eqn) in R.FOLLOWING and not _is_convert(eqn) and len(eqn.outvars) == 1
+        and not any(True for _ in jaxprs_in_params(eqn.params)) and fed(eqn.outvars[0])
+      ):  # fmt: skip
+        float32.add(i)
+    return frozenset(float32), tuple(fed(v) for v in jaxpr.invars)
