@@ -103,11 +103,13 @@ def stochastic_cast(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
   ``x`` (computed in float32) becomes one of its two neighbours in ``dtype``:
   the upper one with probability equal to the fractional distance, so
   ``E[result] == x``. Representable values (zeros, infinities) are returned
-  exactly, NaN stays NaN. bfloat16: the 16 low bits of ``x`` are the
-  fractional distance, exactly, and adding 16 random bits before truncating
-  rounds up with exactly that probability. float16: the neighbours come from
-  ``nextafter`` and the probability from 24 random bits; values beyond
-  float16's largest finite number stay at it. Other dtypes: a plain cast.
+  exactly, NaN stays NaN. Finite values beyond ``dtype``'s largest finite
+  number saturate at it, on both sides (``-65519.`` becomes ``-65504.`` in
+  float16, never ``-inf``); only an infinite ``x`` gives an infinity.
+  bfloat16: the 16 low bits of ``x`` are the fractional distance, exactly,
+  and adding 16 random bits before truncating rounds up with exactly that
+  probability. float16: the neighbours come from ``nextafter`` and the
+  probability from 24 random bits. Other dtypes: a plain cast.
 
   Args:
     x: a floating array (any float dtype up to float32).
@@ -129,6 +131,11 @@ def stochastic_cast(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
   if jnp.finfo(dtype).bits >= 32 or not jnp.issubdtype(dtype, jnp.floating):
     return x.astype(dtype)
   x32 = x.astype(jnp.float32)
+  # Saturate finite values beyond the top (exact in float32) with a select, not clip: clip's
+  # arithmetic would flush subnormals to zero on XLA:CPU, the select passes their bits through.
+  top = jnp.float32(jnp.finfo(dtype).max)
+  beyond = jnp.isfinite(x32) & (jnp.abs(x32) > top)
+  x32 = jnp.where(beyond, jnp.copysign(top, x32), x32)
   if dtype == np.dtype(jnp.bfloat16):
     raw = jax.lax.bitcast_convert_type(x32, _U32)
     up = (raw + (bits >> 16)) & _U32(0xFFFF0000)
