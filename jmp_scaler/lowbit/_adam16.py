@@ -2,10 +2,12 @@
 
 optax's ``scale_by_adam`` has ``mu_dtype`` but no dtype for the second moment
 (optax#1552, maxtext PR#1437). Here both moments are stored in a chosen dtype
-(bfloat16 by default), all arithmetic is float32, and the stored moments can
+(bfloat16 by default), the arithmetic is optax's own (its ``update_moment``
+and ``bias_correction``, in its order) in float32, and the stored moments can
 be rounded stochastically: with ``b2 = 0.999`` the relative change of ``nu``
 per step (1e-3) is below half a bfloat16 ulp (2e-3), so round-to-nearest
-freezes ``nu`` where stochastic rounding follows it on average.
+freezes ``nu`` where stochastic rounding follows it on average. With float32
+gradients and moments the result is optax's, bit for bit, under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import optax
 
 from jmp_scaler.lowbit._stochastic import (
   check_seed,
+  is_low_precision,
   kahan_summation,
   leaf_specs,
   random_bits,
@@ -31,15 +34,30 @@ _STREAM_MU, _STREAM_NU = 1, 2
 _MU_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _NU_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 _ROUNDINGS = ("stochastic", "kahan", "nearest")
+_NU_F16 = " (float16 underflows g**2 below 2.4e-4: keep nu in bfloat16 or float32)"
 
 
-def _dtype(name: str, value: Any, allowed: tuple[np.dtype, ...], why: str = "") -> np.dtype:
+class _StateDtype:
+  """The default of ``adam``'s ``mu_dtype`` and ``nu_dtype``: ``state_dtype``."""
+
+  def __repr__(self) -> str:
+    return "state_dtype"
+
+
+_FROM_STATE_DTYPE = _StateDtype()
+
+
+def _dtype(name: str, value: Any, allowed: tuple[np.dtype, ...], why: str = "") -> np.dtype | None:
+  """``value`` as an allowed dtype, or ``None`` (each parameter's dtype, optax's rule)."""
+  names = [a.name for a in allowed] + [None]
+  if value is None:
+    return None
   try:
     d = np.dtype(value)
   except TypeError as e:
-    raise ValueError(f"{name} must be one of {[a.name for a in allowed]}, got {value!r}") from e
+    raise ValueError(f"{name} must be one of {names}, got {value!r}") from e
   if d not in allowed:
-    raise ValueError(f"{name} must be one of {[a.name for a in allowed]}, got {value!r}{why}")
+    raise ValueError(f"{name} must be one of {names}, got {value!r}{why}")
   return d
 
 
@@ -47,6 +65,26 @@ def _rate(name: str, value: Any) -> float:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
     raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
   return float(value)
+
+
+def _moment_dtype(name: str, dtype: np.dtype | None, p: Any) -> np.dtype:
+  """The dtype one moment of parameter ``p`` is stored in; refuses what cannot hold it."""
+  p_dtype = np.dtype(jnp.result_type(p))
+  d = p_dtype if dtype is None else dtype
+  if not jnp.issubdtype(d, jnp.inexact):
+    raise ValueError(f"{name}=None follows the parameters' dtype, but a parameter is {p_dtype}: "
+                     f"pass {name}=jnp.float32 (or bfloat16)")  # fmt: skip
+  if name == "mu_dtype" and jnp.iscomplexobj(p) and not jnp.issubdtype(d, jnp.complexfloating):
+    raise ValueError(f"mu_dtype={d.name} cannot hold the first moment of a {p_dtype} parameter "
+                     "(its imaginary part would be dropped): pass mu_dtype=None")  # fmt: skip
+  if name == "nu_dtype" and d == np.dtype(jnp.float16):
+    raise ValueError(f"nu_dtype=None follows the parameters' dtype, float16 here{_NU_F16}")
+  return d
+
+
+def _widen(x: Any) -> Any:
+  """``x`` in the arithmetic's dtype: float32 for 16-bit floats (complex stays complex)."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 class ScaleByAdamState(NamedTuple):
@@ -68,8 +106,8 @@ def scale_by_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    *,
     mu_dtype: Any = jnp.bfloat16,
+    *,
     nu_dtype: Any = jnp.bfloat16,
     stochastic_moments: bool = True,
     seed: int = 0,
@@ -77,13 +115,19 @@ def scale_by_adam(
 ) -> optax.GradientTransformation:
   """optax's ``scale_by_adam`` with both moments stored in 16 bits.
 
-  Every step, in float32::
+  Every step, with optax's own ``optax.tree.update_moment``,
+  ``update_moment_per_elem_norm`` and ``bias_correction``, in optax's order,
+  on the moments and gradients widened to float32::
 
-    mu     = b1 * mu + (1 - b1) * g
-    nu     = b2 * nu + (1 - b2) * g**2
+    mu     = (1 - b1) * g + b1 * mu
+    nu     = (1 - b2) * g**2 + b2 * nu
     u      = (mu / (1 - b1**t)) / (sqrt(nu / (1 - b2**t) + eps_root) + eps)
     store mu in mu_dtype, nu in nu_dtype (stochastically rounded, or to nearest)
 
+  With float32 gradients and ``mu_dtype = nu_dtype = float32`` this is
+  ``optax.scale_by_adam`` bit for bit, eagerly and under ``jax.jit``. With
+  16-bit moments it is not: optax computes ``b1 * mu`` in the moment's dtype
+  (a bfloat16 rounding before the sum), here it is float32 (``docs/bf16.md``).
   The updates are float32 (the next transformation, e.g.
   :func:`jmp_scaler.stochastic_round`, rounds ``p + u`` once).
 
@@ -92,71 +136,88 @@ def scale_by_adam(
     b2: decay of the second moment, in [0, 1).
     eps: added to the denominator, >= 0.
     eps_root: added inside the square root, >= 0.
-    mu_dtype: float32, bfloat16 or float16.
-    nu_dtype: float32 or bfloat16. float16 is refused: ``g**2`` of a gradient
-      below 2.4e-4 underflows float16's normal range, and the update ``mu /
-      (sqrt(nu) + eps)`` then explodes.
-    stochastic_moments: round the stored moments stochastically (bits from
-      ``seed`` and ``count``); else round to nearest.
+    mu_dtype: float32, bfloat16, float16, or ``None``: each parameter's
+      dtype, as in optax (kept across steps, so the state never changes
+      dtype).
+    nu_dtype: float32, bfloat16, or ``None`` (each parameter's dtype).
+      float16 is refused: ``g**2`` of a gradient below 2.4e-4 underflows
+      float16's normal range, and the update ``mu / (sqrt(nu) + eps)`` then
+      explodes.
+    stochastic_moments: round the stored 16-bit moments stochastically (bits
+      from ``seed`` and ``count``); else round to nearest.
     seed: integer in [0, 2**32).
     param_specs: as in :func:`jmp_scaler.stochastic_round` (``shard_map`` only).
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`ScaleByAdamState`.
 
+  Raises:
+    ValueError: for an argument out of its range; at ``init``, for a moment
+      dtype that cannot hold a parameter's moment (a real ``mu_dtype`` for a
+      complex parameter, ``None`` for a float16 parameter's ``nu``).
+
   References:
     Kingma and Ba, 2014, Adam (arXiv:1412.6980); Zamirai et al., 2020
     (arXiv:2010.06192).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> tx = scale_by_adam(mu_dtype=None, nu_dtype=jnp.float32)
+    >>> state = tx.init({"w": jnp.ones(3, jnp.bfloat16)})
+    >>> state.mu["w"].dtype, state.nu["w"].dtype
+    (dtype(bfloat16), dtype('float32'))
   """
   b1, b2 = _rate("b1", b1), _rate("b2", b2)
   for name, v in (("eps", eps), ("eps_root", eps_root)):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
       raise ValueError(f"{name} must be a number >= 0, got {v!r}")
   mu_dtype = _dtype("mu_dtype", mu_dtype, _MU_DTYPES)
-  nu_dtype = _dtype(
-      "nu_dtype", nu_dtype, _NU_DTYPES,
-      " (float16 underflows g**2 below 2.4e-4: keep nu in bfloat16 or float32)",
-  )  # fmt: skip
+  nu_dtype = _dtype("nu_dtype", nu_dtype, _NU_DTYPES, _NU_F16)
   seed = check_seed(seed)
 
   def init_fn(params):
-    def zeros(dtype):
-      return lambda p: jnp.zeros(jnp.shape(p), dtype)
+    def zeros(name, dtype):
+      return lambda p: jnp.zeros_like(p, dtype=_moment_dtype(name, dtype, p))
 
     return ScaleByAdamState(
         count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(zeros(mu_dtype), params),
-        nu=jax.tree.map(zeros(nu_dtype), params),
+        mu=jax.tree.map(zeros("mu_dtype", mu_dtype), params),
+        nu=jax.tree.map(zeros("nu_dtype", nu_dtype), params),
     )
 
-  def update_fn(updates, state, params=None):
-    g_leaves, treedef = jax.tree.flatten(updates)
-    mu_leaves = treedef.flatten_up_to(state.mu)
-    nu_leaves = treedef.flatten_up_to(state.nu)
-    specs = leaf_specs(param_specs, updates)
-    count = optax.safe_increment(state.count)
-    t = count.astype(jnp.float32)
-    c1 = 1 - jnp.float32(b1) ** t
-    c2 = 1 - jnp.float32(b2) ** t
-    if stochastic_moments:
-      k_mu = step_key(seed, _STREAM_MU, state.count)
-      k_nu = step_key(seed, _STREAM_NU, state.count)
-    out, mus, nus = [], [], []
-    for i, (g, mu, nu, spec) in enumerate(zip(g_leaves, mu_leaves, nu_leaves, specs, strict=True)):
-      g32 = g.astype(jnp.float32)
-      mu32 = b1 * mu.astype(jnp.float32) + (1 - b1) * g32
-      nu32 = b2 * nu.astype(jnp.float32) + (1 - b2) * jnp.square(g32)
-      out.append((mu32 / c1) / (jnp.sqrt(nu32 / c2 + eps_root) + eps))
-      if stochastic_moments:
-        mus.append(stochastic_cast(mu32, mu_dtype, random_bits(k_mu, i, g.shape, spec)))
-        nus.append(stochastic_cast(nu32, nu_dtype, random_bits(k_nu, i, g.shape, spec)))
+  def store(moments, like, stream, count, specs):
+    """``moments`` rounded to the dtypes of ``like`` (stochastically if asked)."""
+    leaves, treedef = jax.tree.flatten(moments)
+    key = step_key(seed, stream, count) if stochastic_moments else None
+    out = []
+    for i, (x, old, spec) in enumerate(zip(leaves, treedef.flatten_up_to(like), specs,
+                                           strict=True)):
+      if key is not None and is_low_precision(old):
+        out.append(stochastic_cast(x, old.dtype, random_bits(key, i, x.shape, spec)))
       else:
-        mus.append(mu32.astype(mu_dtype))
-        nus.append(nu32.astype(nu_dtype))
-    new = ScaleByAdamState(count, treedef.unflatten(mus), treedef.unflatten(nus))
-    return treedef.unflatten(out), new
+        out.append(x.astype(old.dtype))
+    return treedef.unflatten(out)
+
+  def update_fn(updates, state, params=None):
+    del params
+    grads = jax.tree.map(_widen, updates)
+    mu = optax.tree.update_moment(grads, jax.tree.map(_widen, state.mu), b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(grads, jax.tree.map(_widen, state.nu), b2, 2)
+    count_inc = optax.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+    specs = leaf_specs(param_specs, updates)
+    mu = store(mu, state.mu, _STREAM_MU, state.count, specs)
+    nu = store(nu, state.nu, _STREAM_NU, state.count, specs)
+    return updates, ScaleByAdamState(count=count_inc, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _moment_dtypes(mu_dtype: Any, nu_dtype: Any, state_dtype: Any) -> tuple[Any, Any]:
+  mu = state_dtype if mu_dtype is _FROM_STATE_DTYPE else mu_dtype
+  return mu, state_dtype if nu_dtype is _FROM_STATE_DTYPE else nu_dtype
 
 
 def adam(
@@ -165,7 +226,9 @@ def adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Any = _FROM_STATE_DTYPE,
     *,
+    nu_dtype: Any = _FROM_STATE_DTYPE,
     state_dtype: Any = jnp.bfloat16,
     stochastic_moments: bool = True,
     seed: int = 0,
@@ -173,8 +236,12 @@ def adam(
 ) -> optax.GradientTransformation:
   """``optax.adam`` with its moments in ``state_dtype`` (bfloat16 by default).
 
-  Same arguments and update as ``optax.adam`` (no ``nesterov``), plus those of
-  :func:`scale_by_adam`; ``state_dtype`` sets both moments' dtype.
+  Same arguments, in the same order, and the same update as ``optax.adam``
+  (no ``nesterov``), plus those of :func:`scale_by_adam`. ``state_dtype``
+  sets both moments' dtype; ``mu_dtype`` and ``nu_dtype``, where given,
+  override it, and ``mu_dtype=None`` follows the parameters' dtype, as in
+  optax. With ``state_dtype=jnp.float32`` (and float32 gradients) the updates
+  and the state are ``optax.adam``'s, bit for bit.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -183,8 +250,9 @@ def adam(
     >>> state[0].nu["w"].dtype
     dtype(bfloat16)
   """
+  mu_dtype, nu_dtype = _moment_dtypes(mu_dtype, nu_dtype, state_dtype)
   return optax.chain(
-      scale_by_adam(b1, b2, eps, eps_root, mu_dtype=state_dtype, nu_dtype=state_dtype,
+      scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nu_dtype=nu_dtype,
                     stochastic_moments=stochastic_moments, seed=seed, param_specs=param_specs),
       optax.scale_by_learning_rate(learning_rate),
   )
@@ -196,9 +264,11 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Any = _FROM_STATE_DTYPE,
     weight_decay: float = 1e-4,
     mask: Any = None,
     *,
+    nu_dtype: Any = _FROM_STATE_DTYPE,
     state_dtype: Any = jnp.bfloat16,
     stochastic_moments: bool = True,
     seed: int = 0,
@@ -206,9 +276,10 @@ def adamw(
 ) -> optax.GradientTransformation:
   """``optax.adamw`` with its moments in ``state_dtype`` (bfloat16 by default).
 
-  Same arguments and update as ``optax.adamw`` (no ``nesterov``), plus those
-  of :func:`scale_by_adam`. Keep the parameters in 16 bits by ending the
-  chain with :func:`jmp_scaler.stochastic_round` (or use
+  Same arguments, in the same order, and the same update as ``optax.adamw``
+  (no ``nesterov``), plus those of :func:`scale_by_adam`; the moments' dtypes
+  as in :func:`adam`. Keep the parameters in 16 bits by ending the chain
+  with :func:`jmp_scaler.stochastic_round` (or use
   :func:`low_precision_optimizer`)::
 
     tx = optax.chain(jmp_scaler.adamw(1e-3), jmp_scaler.stochastic_round())
@@ -221,8 +292,9 @@ def adamw(
     >>> updates["w"].dtype
     dtype('float32')
   """
+  mu_dtype, nu_dtype = _moment_dtypes(mu_dtype, nu_dtype, state_dtype)
   return optax.chain(
-      scale_by_adam(b1, b2, eps, eps_root, mu_dtype=state_dtype, nu_dtype=state_dtype,
+      scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nu_dtype=nu_dtype,
                     stochastic_moments=stochastic_moments, seed=seed, param_specs=param_specs),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
