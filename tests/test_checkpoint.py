@@ -380,7 +380,7 @@ def test_save_into_an_existing_checkpoint_says_what_to_do(tmp_path):
 def test_restoring_into_another_optimizer_says_what_to_do(tmp_path):
   jmp_scaler.save_checkpoint(tmp_path / "c", fresh_state())
   other = fresh_state(optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1)))
-  with pytest.raises(ValueError, match="cannot restore the checkpoint .* same optimizer chain"):
+  with pytest.raises(ValueError, match="layout: unexpected /opt_state/1/0/count.* same optimizer"):
     jmp_scaler.restore_checkpoint(tmp_path / "c", other)
 
 

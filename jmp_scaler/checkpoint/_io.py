@@ -43,9 +43,22 @@ def _adopt_nnx(target: Any, restored_state: Any, mode: Mismatch) -> Any:
   return target
 
 
+def _from_scalar(restored: Any, target: Any) -> jax.Array:
+  """The saved 0-d array restored where the target holds a Python scalar.
+
+  Weakly typed when it has the dtype JAX gives that scalar: so are the outputs
+  of a jitted step that started from it (flax's ``TrainState.step``), so the
+  restored state does not make the step compile again.
+  """
+  saved = np.asarray(restored)
+  return jnp.asarray(saved.item() if saved.dtype == jnp.asarray(target).dtype else saved)
+
+
 def _placed_like(restored: Any, target: Any) -> Any:
   """``restored`` uncommitted where ``target`` is, so a jitted step compiled
   for the target's placement is reused instead of compiled again."""
+  if isinstance(target, (bool, int, float)) and hasattr(restored, "dtype"):
+    return _from_scalar(restored, target)
   if not isinstance(target, jax.Array) or target.committed:
     return restored
   if _is_key(restored):
@@ -54,24 +67,54 @@ def _placed_like(restored: Any, target: Any) -> Any:
   return jnp.asarray(np.asarray(restored))
 
 
+_SCALARS = {"bool": jnp.bool_, "int": jnp.integer, "float": jnp.floating}
+
+
+def _entry(x: Any) -> tuple:
+  """What the layout check compares at one leaf: ``(shape, dtype)`` of an array (a PRNG
+  key as its key data), or the type of anything else (a Python scalar: ``('int',)``)."""
+  if _is_key(x):
+    x = jax.eval_shape(jax.random.key_data, x)
+  if isinstance(x, ocp.metadata.ScalarMetadata):  # a Python scalar saved by Orbax
+    kind = next(k for k, t in _SCALARS.items() if jnp.issubdtype(x.dtype, t))
+    return (kind,)
+  if hasattr(x, "dtype") and hasattr(x, "shape"):
+    return (tuple(x.shape), np.dtype(x.dtype).name)
+  return (type(x).__name__,)
+
+
 def _layout(tree: Any, path: str = "") -> dict[str, tuple]:
-  """Every leaf of a state dict by path: ``(shape, dtype)``, or the type of a non-array."""
+  """Every leaf of a state dict by path (see :func:`_entry`)."""
   if isinstance(tree, Mapping):
     out = {}
     for key, value in tree.items():
       out.update(_layout(value, f"{path}/{key}"))
     return out or {path or "/": ("empty",)}
-  if hasattr(tree, "dtype") and hasattr(tree, "shape"):
-    return {path or "/": (tuple(tree.shape), np.dtype(tree.dtype).name)}
-  return {path or "/": (type(tree).__name__,)}
+  return {path or "/": _entry(tree)}
 
 
-def check_layout(saved: Any, target: Any, what: str) -> None:
-  """Raises unless ``saved`` has ``target``'s paths, shapes and dtypes (state dicts)."""
-  got, want = _layout(saved), _layout(target)
+def _flat_layout(flat: dict[tuple, Any]) -> dict[str, tuple]:
+  """Every leaf of an ``ocp.tree.to_flat_dict`` (of a pytree or Orbax's metadata) by path."""
+  return {"/" + "/".join(k): _entry(v) for k, v in flat.items()}
+
+
+def scalar_takes(saved: tuple, target: tuple) -> bool:
+  """Whether a Python-scalar target leaf takes a saved 0-d array of its kind (flax's
+  ``TrainState.create`` sets ``step=0``; a state saved after a jitted step holds int32)."""
+  kind = _SCALARS.get(target[0]) if len(target) == 1 else None
+  if kind is None or len(saved) != 2 or saved[0] != ():
+    return False
+  if kind is not jnp.bool_ and jnp.issubdtype(saved[1], jnp.bool_):
+    return False  # numpy counts bool as an integer; a bool is not a step count
+  return jnp.issubdtype(saved[1], kind)
+
+
+def check_layout(got: dict[str, tuple], want: dict[str, tuple], what: str) -> None:
+  """Raises unless the saved layout ``got`` has the target's paths, shapes and dtypes."""
   missing = sorted(set(want) - set(got))
   extra = sorted(set(got) - set(want))
-  differ = [p for p in sorted(set(got) & set(want)) if got[p] != want[p]]
+  differ = [p for p in sorted(set(got) & set(want))
+            if got[p] != want[p] and not scalar_takes(got[p], want[p])]  # fmt: skip
   if not (missing or extra or differ):
     return
   lines = [f"missing {p}" for p in missing[:5]] + [f"unexpected {p}" for p in extra[:5]]
@@ -151,13 +194,36 @@ def restore_checkpoint(
   tree = nnx.state(target) if nnx_target else target
   with ocp.StandardCheckpointer() as ckptr:
     try:
-      restored = ckptr.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
-    except (ValueError, KeyError, TypeError) as err:
+      metadata = ckptr.metadata(path)
+      metadata = getattr(metadata, "item_metadata", metadata)  # orbax >= 0.11.18: StepMetadata
+      saved = ocp.tree.to_flat_dict(getattr(metadata, "tree", metadata))
+      # Orbax casts to the target's dtype: the layout is checked first, so nothing is cast.
+      want = ocp.tree.to_flat_dict(tree)
+      check_layout(_flat_layout(saved), _flat_layout(want), f"the checkpoint at {path}")
+      restored = ckptr.restore(path, _abstract(want, saved, tree))
+    except (KeyError, TypeError) as err:
+      raise _orbax_error(path, err) from err
+    except ValueError as err:
+      if "match the target's layout" in str(err):
+        raise
       raise _orbax_error(path, err) from err
   restored = jax.tree.map(_placed_like, restored, tree)
   if nnx_target:
     return _adopt_nnx(target, restored, on_config_mismatch)
   return check_restored(restored, target, on_config_mismatch=on_config_mismatch)
+
+
+def _abstract(want: dict[tuple, Any], saved: dict[tuple, Any], tree: Any) -> Any:
+  """What Orbax restores into (flat dicts of the target and of the saved metadata): the
+  target's shapes and dtypes, and the saved array's where the target holds a Python
+  scalar (so the array is restored, not a scalar)."""
+  def one(key, x):
+    scalar_saved = isinstance(saved[key], ocp.metadata.ScalarMetadata)
+    if isinstance(x, (bool, int, float)) and not scalar_saved:
+      return jax.ShapeDtypeStruct(tuple(saved[key].shape), saved[key].dtype)
+    return ocp.utils.to_shape_dtype_struct(x)
+
+  return ocp.tree.from_flat_dict({k: one(k, x) for k, x in want.items()}, target=tree)
 
 
 def _is_key(x: Any) -> bool:
@@ -170,6 +236,14 @@ def _plain(state: Any) -> Any:
     state = nnx.to_pure_dict(nnx.state(state))
   plain = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
   return serialization.to_state_dict(plain)
+
+
+def _from_bytes_leaf(restored: Any, target: Any) -> Any:
+  if not isinstance(restored, np.ndarray):
+    return restored
+  if isinstance(target, (bool, int, float)):
+    return _from_scalar(restored, target)
+  return jnp.asarray(restored)
 
 
 def to_bytes(state: Any) -> bytes:
@@ -214,16 +288,18 @@ def from_bytes(target: Any, data: bytes, *, on_config_mismatch: Mismatch = "rais
         f"data is not a jmp_scaler.to_bytes checkpoint (it decodes to a "
         f"{type(saved).__name__}, not a state dict)"
     )
-  check_layout(saved, want, "the checkpoint in data")
+  check_layout(_layout(saved), _layout(want), "the checkpoint in data")
   if not _is_nnx(target):
     restored = serialization.from_state_dict(target, saved)
-    restored = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, restored)
+    restored = jax.tree.map(_from_bytes_leaf, restored, target)
     return check_restored(restored, target, on_config_mismatch=on_config_mismatch)
 
   def fill(var, value):
     old = var.get_value()
     if _is_key(old):
       return var.replace(jax.random.wrap_key_data(value, impl=jax.random.key_impl(old)))
+    if isinstance(old, (bool, int, float)):
+      return var.replace(_from_scalar(value, old))
     return var.replace(jnp.asarray(value, old.dtype))
 
   state = nnx.state(target)
