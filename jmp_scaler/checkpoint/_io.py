@@ -178,9 +178,11 @@ def restore_checkpoint(
     on_config_mismatch: as in :func:`check_restored`.
 
   Returns:
-    The restored pytree, or ``target`` (NNX) after its update. Leaves are
-    placed like ``target``'s: sharded where it is sharded, uncommitted where
-    it is uncommitted (so a step jitted for it is not compiled again).
+    The restored pytree, or ``target`` (NNX) after its update. The layout is
+    checked first, as in :func:`from_bytes` (Python-scalar leaves included),
+    so Orbax casts nothing. Leaves are placed like ``target``'s: sharded
+    where it is sharded, uncommitted where it is uncommitted (so a step
+    jitted for it is not compiled again).
 
   Raises:
     ValueError: as :func:`check_restored`; for a missing checkpoint; for a
@@ -195,17 +197,16 @@ def restore_checkpoint(
   with ocp.StandardCheckpointer() as ckptr:
     try:
       metadata = ckptr.metadata(path)
-      metadata = getattr(metadata, "item_metadata", metadata)  # orbax >= 0.11.18: StepMetadata
-      saved = ocp.tree.to_flat_dict(getattr(metadata, "tree", metadata))
-      # Orbax casts to the target's dtype: the layout is checked first, so nothing is cast.
-      want = ocp.tree.to_flat_dict(tree)
-      check_layout(_flat_layout(saved), _flat_layout(want), f"the checkpoint at {path}")
-      restored = ckptr.restore(path, _abstract(want, saved, tree))
-    except (KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:
       raise _orbax_error(path, err) from err
-    except ValueError as err:
-      if "match the target's layout" in str(err):
-        raise
+    metadata = getattr(metadata, "item_metadata", metadata)  # a StepMetadata from orbax 0.12
+    saved = ocp.tree.to_flat_dict(getattr(metadata, "tree", metadata))
+    # Orbax casts to the target's dtype: the layout is checked first, so nothing is cast.
+    want = ocp.tree.to_flat_dict(tree)
+    check_layout(_flat_layout(saved), _flat_layout(want), f"the checkpoint at {path}")
+    try:
+      restored = ckptr.restore(path, _abstract(want, saved, tree))
+    except (ValueError, KeyError, TypeError) as err:
       raise _orbax_error(path, err) from err
   restored = jax.tree.map(_placed_like, restored, tree)
   if nnx_target:
@@ -259,7 +260,10 @@ def from_bytes(target: Any, data: bytes, *, on_config_mismatch: Mismatch = "rais
 
   The bytes must hold exactly the target's layout: the same paths, and at
   each path the same shape and dtype. Nothing is filled in from the target
-  (a missing optimizer would otherwise restart with a fresh scale).
+  (a missing optimizer would otherwise restart with a fresh scale). A target
+  leaf that is a Python scalar (flax's ``TrainState.create`` sets
+  ``step=0``) takes a saved 0-d array of its kind (bool, integer, floating),
+  and the array is restored.
 
   Args:
     target: as in :func:`restore_checkpoint` (NNX objects are updated in
