@@ -27,6 +27,14 @@ over seeds), the skipped steps, and the difference from float32 in float32 seed 
 
   python benchmarks/bench_autocast.py --model gpt       # 3 seeds x 1500 steps, about 2 minutes
   python benchmarks/bench_autocast.py --model gpt --quick
+
+``--model losses`` measures what running the ops fed only to float32 ops in float32 costs
+(docs/autocast.md, "What the casts already in your function mean", point 4): the value and
+gradient of six losses of float16 predictions (mse, l1, huber, BCE-with-logits, Poisson NLL,
+hinge: their ``sub``/``abs``/``mul`` run in float32 under autocast), against the same code
+run as written (those ops in float16, jnp's reductions upcasting), rounds interleaved.
+
+  python benchmarks/bench_autocast.py --model losses    # 1024 x 1024 predictions
 """
 
 from __future__ import annotations
@@ -120,27 +128,28 @@ def bench_model(name, model_cls, kwargs, x, policy, args):
   variables = jax.jit(ref.init)(jax.random.key(0), x)
   extra = {k: v for k, v in variables.items() if k != "params"}
   tx = optax.chain(jmp_scaler.dynamic_scale(init_scale=2.0**10), optax.adam(1e-4))
-  variants = {
-      "hand": model_cls(**kwargs, dtype=policy.compute_dtype).apply,
-      "autocast": autocast(ref.apply, policy),
+  variants = {  # factories: each compile gets a fresh function, autocast's trace included
+      "hand": lambda: model_cls(**kwargs, dtype=policy.compute_dtype).apply,
+      "autocast": lambda: autocast(ref.apply, policy),
   }
   rows = {}
-  for label, apply_fn in variants.items():
-    make = lambda apply_fn=apply_fn: State.create(
+  for label, new_apply in variants.items():
+    make = lambda apply_fn: State.create(
         apply_fn=apply_fn, params=jax.tree.map(jnp.copy, variables["params"]), tx=tx,
         extra=jax.tree.map(jnp.copy, extra),
     )  # fmt: skip
     compiles = []
     for _ in range(args.compiles):
+      apply_fn = new_apply()
       step = make_step(apply_fn, policy)  # a fresh function: no cache
       t0 = time.perf_counter()
-      lowered = step.lower(make(), x, y)
+      lowered = step.lower(make(apply_fn), x, y)
       compiled = lowered.compile()
       compiles.append(time.perf_counter() - t0)
     text = compiled.as_text()
     low = lowered.as_text()
     rows[label] = {
-        "step": step, "state": make(), "times": [], "compile": statistics.median(compiles),
+        "step": step, "state": make(apply_fn), "times": [], "compile": statistics.median(compiles),
         "hlo": hlo_counts(text, half), "lowered": lowered_counts(low, half),
         "f32_in_half": f32_ops_sent_half(low, half),
     }  # fmt: skip
@@ -171,6 +180,52 @@ def bench_model(name, model_cls, kwargs, x, policy, args):
           f"{f'{h}/{n}':>24} {f'{lh}/{ln}':>10} {row['f32_in_half']:>13}")  # fmt: skip
   print(f"ratio autocast/hand: step {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), "
         f"compile {rows['autocast']['compile'] / rows['hand']['compile']:.3f}")  # fmt: skip
+  return q[1]
+
+
+def composite_losses(p, t):
+  """Six losses of predictions ``p`` and targets ``t`` built from elementwise ops."""
+  return (optax.squared_error(p, t).mean() + jnp.mean(jnp.abs(p - t))
+          + optax.huber_loss(p, t).mean() + optax.sigmoid_binary_cross_entropy(p, t > 0).mean()
+          + jnp.mean(jnp.exp(p) - t * p) + jnp.mean(jnp.maximum(0.0, 1.0 - p * t)))  # fmt: skip
+
+
+def bench_losses(args, policy):
+  """autocast(losses) against the same losses as written, on float16 predictions."""
+  side = 64 if args.quick else 1024
+  rng = np.random.default_rng(0)
+  p, t = (jnp.asarray(rng.normal(size=(side, side)), policy.compute_dtype) for _ in range(2))
+  variants = {"as written": lambda: composite_losses,
+              "autocast": lambda: autocast(composite_losses, policy)}  # fmt: skip
+  rows = {}
+  for label, new_fn in variants.items():
+    compiles = []
+    for _ in range(args.compiles):
+      step = jax.jit(jax.value_and_grad(new_fn()))  # a fresh function: no cache
+      t0 = time.perf_counter()
+      compiled = step.lower(p, t).compile()
+      compiles.append(time.perf_counter() - t0)
+    jax.block_until_ready(compiled(p, t))
+    rows[label] = {"fn": compiled, "compile": statistics.median(compiles), "times": []}
+  ratios = []
+  for r in range(args.rounds):
+    per = {}
+    for label in (["as written", "autocast"] if r % 2 == 0 else ["autocast", "as written"]):
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        out = rows[label]["fn"](p, t)
+      jax.block_until_ready(out)
+      per[label] = (time.perf_counter() - t0) / args.steps
+      rows[label]["times"].append(per[label])
+    ratios.append(per["autocast"] / per["as written"])
+  q = np.percentile(ratios, [25, 50, 75])
+  print(f"\ncomposite losses, value and gradient, {side} x {side} {policy.compute_dtype.name} "
+        f"predictions  backend {jax.default_backend()}  rounds {args.rounds} x {args.steps}")
+  print(f"{'variant':12} {'step ms':>9} {'compile s':>10}")
+  for label, row in rows.items():
+    print(f"{label:12} {1e3 * statistics.median(row['times']):9.3f} {row['compile']:10.2f}")
+  print(f"ratio autocast/as written: step {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), "
+        f"compile {rows['autocast']['compile'] / rows['as written']['compile']:.3f}")
   return q[1]
 
 
@@ -241,8 +296,9 @@ def train_gpt(args, policy):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--policy", default="p=f32,c=f16,o=f32")
-  parser.add_argument("--model", choices=["cnn", "mlp", "all", "gpt"], default="all",
-                      help="all: the CNN and MLP timings; gpt: train the char-GPT instead")
+  parser.add_argument("--model", choices=["cnn", "mlp", "all", "gpt", "losses"], default="all",
+                      help="all: the CNN and MLP timings; gpt: train the char-GPT instead; "
+                           "losses: the cost of float32-fed elementwise ops")
   parser.add_argument("--rounds", type=int, default=11)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--compiles", type=int, default=3)
@@ -261,6 +317,9 @@ def main(argv=None):
     args.gpt_steps = 30 if args.quick else 1500
   if args.model == "gpt":
     train_gpt(args, policy)
+    return 0
+  if args.model == "losses":
+    bench_losses(args, policy)
     return 0
   batch = 8 if args.quick else 64
   rng = np.random.default_rng(0)

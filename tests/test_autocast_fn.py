@@ -6,6 +6,7 @@ import warnings
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -257,6 +258,84 @@ def test_shard_map_inside_and_outside():
   assert in_dtypes(outer, w, x)["dot_general"] == {"float16"}
 
 
+def test_grad_with_custom_jvp_inside_shard_map_with_check_vma():
+  """The data-parallel step of issue 22: jax.grad of an autocast loss with relu, psum-ed."""
+  mesh = jax.make_mesh((1,), ("b",))
+  w = jax.device_put(MLP_PARAMS[0][:, :4], NamedSharding(mesh, P()))
+  x = jax.device_put(X, NamedSharding(mesh, P("b")))
+
+  def step(fn):
+    body = lambda w, x: lax.psum(jax.grad(fn)(w, x), "b")
+    return fast_jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("b")), out_specs=P()))
+
+  loss = lambda w, x: jax.nn.relu(x @ w).sum()
+  got, ref = step(autocast(loss, F16))(w, x), step(loss)(w, x)
+  assert got.dtype == F32_DT
+  np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def result_dtype(region):
+  """The dtype of a region's first result before the policy's output cast to float32."""
+  out = region.jaxpr.outvars[0]
+  last = next((e for e in region.jaxpr.eqns if out in e.outvars), None)
+  if last is not None and last.primitive.name == "convert_element_type" and out.aval.dtype == (
+      jnp.float32) and jnp.issubdtype(last.invars[0].aval.dtype, jnp.floating):
+    return last.invars[0].aval.dtype
+  return out.aval.dtype
+
+
+def region_of(fn, *args):
+  return jax.make_jaxpr(fn)(*args).eqns[0].params["jaxpr"]
+
+
+X16 = X.astype(jnp.float16)
+CASTS = {  # the function, the dtype of its result under autocast (before the output cast)
+  "round trip (jnp.sum)": (lambda x: jnp.sum(x**2), X16, "float32"),
+  "round trip by hand": (lambda x: (x.astype(jnp.float32) * 2).astype(jnp.float16) + 1, X16,
+                         "float32"),
+  "dtype=float16 of a float32 op": (lambda x: jnp.sum(x, dtype=jnp.float16), X16, "float32"),
+  "dtype=float32": (lambda x: jnp.sum(x, dtype=jnp.float32), X16, "float32"),
+  "cumsum (jnp does not upcast)": (jnp.cumsum, X16, "float32"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASTS))
+def test_what_the_casts_already_in_the_function_mean(name):
+  fn, x, dtype = CASTS[name]
+  assert str(result_dtype(region_of(autocast(fn, F16), x))) == dtype
+
+
+def test_casts_as_written_keep_their_values_and_rules_can_keep_a_half_reduction():
+  # A deliberate rounding is kept; hand-annotated Dense layers keep their float16 kernels and
+  # biases, and the activation between them (the last bias add feeds only the output cast).
+  rounding = autocast(lambda x: x - x.astype(jnp.float16).astype(jnp.float32), F16)
+  model = nn.Sequential([nn.Dense(4, dtype=jnp.float16), nn.relu, nn.Dense(4, dtype=jnp.float16)])
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), X))
+  adds = [e for e in eqns(jax.make_jaxpr(autocast(model.apply, F16))(variables, X))
+          if e.primitive.name in ("add", "dot_general")]  # fmt: skip
+  assert [{str(v.aval.dtype) for v in e.invars} for e in adds] == [
+      {"float16"}, {"float16"}, {"float16"}, {"float32"}]  # fmt: skip
+  keep = autocast(lambda x: jnp.sum(x, dtype=jnp.float16), F16, rules={"reduce_sum": "promote"})
+  assert str(result_dtype(region_of(keep, X16))) == "float16"
+  # Constants: a Python number is rounded to float16 when traced; a float32 one is exact.
+  rounded = [e for e in eqns(jax.make_jaxpr(autocast(lambda x: x**1.7, F16))(X16))
+             if e.primitive.name == "pow"]  # fmt: skip
+  assert float(rounded[0].invars[1].val) == 1.7001953125
+  x = jnp.asarray([3.0, 50.0], jnp.float16)
+  power = autocast(lambda x: x ** jnp.float32(1.7), F16)
+  err, exact = fast_jit(lambda x: (rounding(jnp.float32(0.1)), power(x)))(x)
+  assert float(err) != 0.0
+  np.testing.assert_allclose(exact, np.asarray(x, np.float64) ** 1.7, rtol=2e-6)
+
+
+def test_float64_is_never_narrowed_outputs_included():
+  with jax.enable_x64(True):
+    x64 = jnp.ones((2, 2), jnp.float64)
+    out = jax.eval_shape(autocast(lambda x: (x @ x, jnp.exp(x) * 2), F16), x64)
+    assert [o.dtype for o in out] == [jnp.float64, jnp.float64]
+    assert in_dtypes(autocast(lambda x: x @ x, F16), x64)["dot_general"] == {"float64"}
+
+
 def test_int_bool_and_key_values_are_never_cast():
   def f(x, i, b, key):
     noise = jax.random.normal(key, x.shape)
@@ -302,14 +381,30 @@ def test_regions_full_precision_and_nested_policies_visible_in_the_jaxpr():
 def test_rule_overrides_and_validation():
   f32_dots = autocast(mlp, F16, rules={"dot_general": "float32"})
   assert in_dtypes(f32_dots, MLP_PARAMS, X)["dot_general"] == {"float32"}
-  tanh_32 = autocast(lambda x: jnp.tanh(x @ x.T), F16, rules={lax.tanh_p: "float32"})
+  # tanh between two matmuls: in float16 by default (a unary op follows its input) ...
+  tanh_32 = autocast(lambda x: jnp.tanh(x @ x.T) @ x, F16, rules={lax.tanh_p: "float32"})
   assert in_dtypes(tanh_32, X, names=("tanh",)) == {"tanh": {"float32"}}
-  assert in_dtypes(autocast(lambda x: jnp.tanh(x @ x.T), F16), X, names=("tanh",)) == {
+  assert in_dtypes(autocast(lambda x: jnp.tanh(x @ x.T) @ x, F16), X, names=("tanh",)) == {
     "tanh": {"float16"}
   }
+  # ... in float32 when only float32 uses follow (here the output cast), unless a rule is given.
+  assert in_dtypes(autocast(lambda x: jnp.tanh(x @ x.T), F16), X, names=("tanh",)) == {
+    "tanh": {"float32"}
+  }
+  given = autocast(lambda x: jnp.tanh(x @ x.T), F16, rules={"tanh": "promote"})
+  assert in_dtypes(given, X, names=("tanh",)) == {"tanh": {"float16"}}
   assert DEFAULT_RULES["dot_general"] == "compute" and DEFAULT_RULES["exp"] == "float32"
   with pytest.raises(ValueError, match="rules"):
     autocast(mlp, F16, rules={"exp": "float8"})
+  with pytest.raises(ValueError, match=r"unknown primitive 'tanhh'; did you mean 'tanh'"):
+    autocast(mlp, F16, rules={"tanhh": "float32"})
+  # A primitive of one's own is accepted as the object, and its rule applies.
+  double_p = jax.extend.core.Primitive("jmp_test_double")
+  double_p.def_abstract_eval(lambda x: x)
+  own = autocast(lambda x: double_p.bind(x), F16, rules={double_p: "float32"})
+  assert in_dtypes(own, X.astype(jnp.float16), names=("jmp_test_double",)) == {
+    "jmp_test_double": {"float32"}
+  }
   with pytest.raises(ValueError, match="rules"):
     autocast(mlp, F16, rules=[("exp", "float32")])
   with pytest.raises(ValueError, match="policy"):

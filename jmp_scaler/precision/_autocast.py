@@ -4,7 +4,8 @@
 again, equation by equation, casting the floating inputs of each primitive as
 its rule says (:mod:`jmp_scaler.precision._rules`): matmuls and convolutions in
 the policy's compute dtype, exponentials, logarithms, powers and reductions in
-float32, everything else at the widest of its inputs. The re-evaluation binds
+float32, everything else at the widest of its inputs (what the casts already in
+the jaxpr mean is decided first: :mod:`jmp_scaler.precision._casts`). The re-evaluation binds
 ordinary primitives, so the result composes with ``jax.jit``, ``jax.grad``,
 ``jax.vmap`` and ``shard_map`` like any JAX function, and holds wherever and
 whenever it is jitted.
@@ -48,9 +49,9 @@ def _is_weak(var: Any) -> bool:
 class _Interpreter:
   """Evaluates jaxprs under a policy and a rule table (see :mod:`._casts` for the plan)."""
 
-  def __init__(self, policy: Policy, table: Mapping[str, str]):
+  def __init__(self, policy: Policy, table: Mapping[str, str], given: frozenset[str]):
     self.policy, self.table = policy, table
-    self.planner = Planner(table, self._body_of)
+    self.planner = Planner(table, self._body_of, given)
 
   @staticmethod
   def _body_of(eqn: Any) -> Any:
@@ -59,14 +60,15 @@ class _Interpreter:
       return None
     return R.call_body(eqn)
 
-  def run(self, jaxpr: Any, args: Sequence[Any], widened: Sequence | None = None) -> list:
+  def run(self, jaxpr: Any, args: Sequence[Any], widened=None, fed_out=None) -> list:
     """Evaluates a (closed) jaxpr on ``args`` under the rules.
 
-    ``widened`` says, for each argument, from which half dtypes the traced function
-    computed it by widening (a ``jit`` body's arguments); none if not given.
+    For the body of a call, ``widened`` says from which half dtypes the traced function
+    computed each argument by widening, and ``fed_out`` which results the caller uses
+    only in float32 ops (see :class:`Planner`); none if not given.
     """
     closed = R.as_closed(jaxpr)
-    plan = self.planner.plan(closed.jaxpr, widened)
+    plan = self.planner.plan(closed.jaxpr, widened, fed_out)
     env: dict[Any, Any] = {}
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
@@ -87,15 +89,16 @@ class _Interpreter:
           outs = args_i  # the end of a round trip: the value stays as autocast computed it
         else:
           rule = R.FLOAT32 if i in plan.float32 else None
-          outs = self.apply(eqn, args_i, cast, rule, plan.widened)
+          outs = self.apply(eqn, args_i, cast, rule, plan.widened, plan.calls_fed.get(i))
       env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in closed.jaxpr.outvars]
 
-  def transform(self, closed: ClosedJaxpr, args: Sequence[Any], widened=None) -> ClosedJaxpr:
+  def transform(self, closed: ClosedJaxpr, args: Sequence[Any], *plan_args) -> ClosedJaxpr:
     """``closed`` rewritten for inputs shaped like ``args``."""
-    return jax.make_jaxpr(lambda *xs: self.run(closed, xs, widened))(*args)
+    return jax.make_jaxpr(lambda *xs: self.run(closed, xs, *plan_args))(*args)
 
-  def apply(self, eqn: Any, args: list, cast: Callable, rule: str | None, widened: Mapping) -> list:
+  def apply(self, eqn: Any, args: list, cast: Callable, rule: str | None, widened: Mapping,
+            fed_out: tuple | None) -> list:  # fmt: skip
     name = eqn.primitive.name
     rule = rule or self.table.get(name)
     if rule == R.ORIGINAL:
@@ -107,9 +110,9 @@ class _Interpreter:
           eqn, body, [R.cast(a, v.dtype) for a, v in zip(args, body.in_avals, strict=True)]
         )
       inner = [NONE if isinstance(v, Literal) else widened.get(v, NONE) for v in eqn.invars]
-      return R.rebind_jit(eqn, self.transform(body, args, inner), args)
+      return R.rebind_jit(eqn, self.transform(body, args, inner, fed_out), args)
     if name in R.HIGHER_ORDER:
-      return R.HIGHER_ORDER[name](self.run, eqn, args)
+      return R.HIGHER_ORDER[name](self._runner(eqn, fed_out), eqn, args)
     if R.is_scatter(eqn):
       args, _ = self._cast(eqn, args, rule or R.PROMOTE, cast)
       return R.rebind_scatter(eqn, args)
@@ -123,6 +126,16 @@ class _Interpreter:
     if rule is None:
       rule = R.PROMOTE if not eqn.primitive.multiple_results else R.KEEP
     return self._bind(eqn, *self._cast(eqn, args, rule, cast))
+
+  def _runner(self, eqn: Any, fed_out: tuple | None) -> Callable:
+    """``run`` for a higher-order equation: its call body knows which results feed float32."""
+    body = R.call_body(eqn)
+
+    def run(jaxpr, args):
+      mine = fed_out is not None and R.as_closed(jaxpr).jaxpr is body
+      return self.run(jaxpr, args, None, fed_out if mine else None)
+
+    return run
 
   def _cast(self, eqn: Any, args: list, rule: str, cast: Callable) -> tuple[list, dict]:
     params = dict(eqn.params)
@@ -238,16 +251,26 @@ def autocast(
     and losses) in float32;
   * ``"promote"`` (every other primitive): the widest floating input, scalar
     constants not counted, so a float16 matmul plus a float32 bias is float32;
+  * ``"reciprocal"`` (``div``): float32 for ``1 / x``, otherwise ``"promote"``;
   * ``"original"``: the dtypes ``fun`` was traced with.
 
-  Integer, boolean and key-typed values are never cast, nor is float64
-  narrowed. Arguments are not cast on entry (parameters stay as stored: the
-  casts happen at the op, and their gradients come back in the stored dtype);
-  floating outputs are cast to ``policy.output_dtype``. The transformation
-  enters ``jit``, ``custom_jvp`` and ``custom_vjp`` functions (keeping their
-  derivative rules), ``scan``, ``while_loop``, ``cond``/``switch``,
-  ``checkpoint`` and ``shard_map``; loop carries keep the widest dtype their
-  body gives them.
+  Two things are decided from the traced dtypes first (:mod:`._casts`): a cast
+  back to half precision that ends a round trip (``x16 -> float32 -> op ->
+  float16``: how jnp's reductions, ``jax.nn.softmax`` and Flax's norms compute
+  in float32) is not applied, so a float32 op's result stays float32; and an
+  op that follows its inputs but feeds only float32 ops (or the output cast to
+  a float32 ``output_dtype``) runs in float32, as the losses PyTorch lists do.
+  Every other cast in ``fun`` is applied as written; a primitive given a rule
+  in ``rules`` keeps exactly that rule.
+
+  Integer, boolean and key-typed values are never cast, and float64 is never
+  narrowed, outputs included. Arguments are not cast on entry (parameters stay
+  as stored: the casts happen at the op, and their gradients come back in the
+  stored dtype); half-precision and float32 outputs are cast to
+  ``policy.output_dtype``. The transformation enters ``jit``, ``custom_jvp``
+  and ``custom_vjp`` functions (keeping their derivative rules), ``scan``,
+  ``while_loop``, ``cond``/``switch``, ``checkpoint``, ``shard_map`` and jnp's
+  scatters; loop carries keep the widest dtype their body gives them.
 
   The result is a ``jit`` named ``jmp_autocast[<policy>](<name>)`` in the
   jaxpr: an enclosing ``autocast`` runs it as it is, so nested policies and
@@ -268,13 +291,15 @@ def autocast(
     fun: the function; omit it (or pass the policy first) for a decorator.
     policy: a :class:`jmp_scaler.Policy` or a policy string.
     rules: primitive (or its name) -> rule, over :data:`DEFAULT_RULES`; for
-      example ``{"tanh": "float32", "reduce_max": "promote"}``.
+      example ``{"tanh": "float32", "reduce_max": "promote"}``. A name must
+      be a known primitive's; a primitive object of your own is accepted.
 
   Returns:
     The transformed function, with ``fun``'s signature.
 
   Raises:
-    ValueError: naming the argument, for a bad function, policy or rule.
+    ValueError: naming the argument, for a bad function, policy or rule, and
+      for an unknown primitive name (with the closest known names).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jmp_scaler
@@ -293,7 +318,8 @@ def autocast(
     return functools.partial(autocast, policy=policy, rules=rules)
   if not callable(fun):
     raise ValueError(f"fun must be callable, got {fun!r}")
-  interp = _Interpreter(policy, table)
+  given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {}))
+  interp = _Interpreter(policy, table, given)
 
   def body(static, *dyn):
     def flat(*xs):
@@ -301,7 +327,9 @@ def autocast(
       return fun(*args, **kwargs)
 
     closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*dyn)  # abstracts: vma, weak
-    outs = interp.run(closed, dyn)
+    # The output cast to float32 is a float32 use: what feeds only it runs in float32.
+    fed = (np.dtype(policy.output_dtype).itemsize >= 4,) * len(closed.jaxpr.outvars)
+    outs = interp.run(closed, dyn, None, fed)
     outs = [R.cast_output(o, policy.output_dtype) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 

@@ -13,9 +13,11 @@ it decides two things, from the dtypes it was traced with:
   is applied as written (``w.astype(jnp.float16)``, a deliberate rounding).
 * **Float32-fed ops.** An op that follows its inputs (``"promote"``) and whose
   floating result is used only by float32 ops (an op under the ``"float32"`` rule,
-  a cast to float32 or wider, another such op) runs in float32 itself: the ``sub``
-  and ``abs`` of an L1 loss, the ``mul`` of ``addcmul``, the scaling of attention
-  scores before the softmax. Uses with no floating result (comparisons) do not count.
+  a cast to float32 or wider, the output cast to a float32 ``output_dtype``, another
+  such op) runs in float32 itself: the ``sub`` and ``abs`` of an L1 loss, the ``mul``
+  of ``addcmul``, the scaling of attention scores before the softmax. Uses with no
+  floating result (comparisons) do not count; data movement (``reshape``,
+  ``broadcast_in_dim``, ``select_n``, ...) passes the use on without being cast.
 """
 
 from __future__ import annotations
@@ -36,19 +38,21 @@ NONE: frozenset = frozenset()
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The decisions for one jaxpr, given which half dtypes its inputs were widened from.
+  """The decisions for one jaxpr, given what its caller knows of its inputs and outputs.
 
   Attributes:
     float32: indices of the equations run in float32 (float32-fed ops).
     round_trips: indices of the casts not applied (the ends of round trips).
     widened: value -> the half dtypes it was computed from by widening.
     feeds_float32: for each input, whether only float32 ops use it.
+    calls_fed: index of a call-like equation -> which of its outputs only float32 ops use.
   """
 
   float32: frozenset[int]
   round_trips: frozenset[int]
   widened: Mapping[Any, frozenset]
   feeds_float32: tuple[bool, ...]
+  calls_fed: Mapping[int, tuple[bool, ...]]
 
 
 def _floating(v: Any) -> bool:
@@ -66,9 +70,13 @@ def _is_convert(eqn: Any) -> bool:
 class Planner:
   """Plans jaxprs under a rule table; the plans of shared bodies (jnp's jits) are cached."""
 
-  def __init__(self, table: Mapping[str, str], body_of: Callable[[Any], Jaxpr | None]):
-    self.table, self.body_of = table, body_of
-    self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+  def __init__(self, table: Mapping[str, str], body_of: Callable[[Any], Jaxpr | None],
+               given: frozenset[str] = frozenset()):  # fmt: skip
+    """``given``: the primitives the user gave a rule; they are never run in float32 for
+    feeding float32 ops (``rules={"mul": "promote"}`` switches that off for ``mul``)."""
+    self.table, self.body_of, self.given = table, body_of, given
+    self._trips: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def rule(self, eqn: Any) -> str:
     rule = self.table.get(eqn.primitive.name)
@@ -76,14 +84,20 @@ class Planner:
       rule = R.KEEP if eqn.primitive.multiple_results else R.PROMOTE
     return rule
 
-  def plan(self, jaxpr: Jaxpr, widened_in: Sequence[frozenset] | None = None) -> Plan:
-    key = tuple(widened_in) if widened_in is not None else (NONE,) * len(jaxpr.invars)
-    per = self._cache.setdefault(jaxpr, {})
-    if key not in per:
-      round_trips, widened = self._round_trips(jaxpr, key)
-      float32, feeds = self._float32_fed(jaxpr)
-      per[key] = Plan(float32, round_trips, widened, feeds)
-    return per[key]
+  def plan(self, jaxpr: Jaxpr, widened_in: Sequence | None = None,
+           fed_out: Sequence[bool] | None = None) -> Plan:  # fmt: skip
+    """The plan of ``jaxpr`` whose inputs were widened from ``widened_in`` (per input) and
+    whose outputs only float32 ops use where ``fed_out`` says so (both: none if not given)."""
+    widened_in = tuple(widened_in) if widened_in is not None else (NONE,) * len(jaxpr.invars)
+    fed_out = tuple(fed_out) if fed_out is not None else (False,) * len(jaxpr.outvars)
+    trips = self._trips.setdefault(jaxpr, {})
+    if widened_in not in trips:
+      trips[widened_in] = self._round_trips(jaxpr, widened_in)
+    fed = self._fed.setdefault(jaxpr, {})
+    if fed_out not in fed:
+      fed[fed_out] = self._float32_fed(jaxpr, fed_out)
+    (round_trips, widened), (float32, feeds, calls) = trips[widened_in], fed[fed_out]
+    return Plan(float32, round_trips, widened, feeds, calls)
 
   # -------------------------------------------------------------- round trips
 
@@ -122,37 +136,49 @@ class Planner:
 
   # -------------------------------------------------------------- float32-fed ops
 
-  def _float32_fed(self, jaxpr: Jaxpr) -> tuple[frozenset, tuple[bool, ...]]:
+  def _float32_fed(self, jaxpr: Jaxpr, fed_out: tuple[bool, ...]) -> tuple:
     uses: dict[Any, list[tuple[int, int]]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
       for k, v in enumerate(eqn.invars):
         if not isinstance(v, Literal):
           uses.setdefault(v, []).append((i, k))
-    returned = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    returned: dict[Any, bool] = {}
+    for v, f in zip(jaxpr.outvars, fed_out, strict=True):
+      if not isinstance(v, Literal):
+        returned[v] = returned.get(v, True) and f
     float32: set[int] = set()
+    moves: set[int] = set()  # data movement whose result only float32 ops use
+    calls_in: dict[int, tuple[bool, ...]] = {}  # which inputs of a call only float32 ops use
+    calls_out: dict[int, tuple[bool, ...]] = {}
 
     def uses_in_float32(i: int, k: int) -> bool | None:  # None: no floating result
       eqn = jaxpr.eqns[i]
       if not any(_floating(v) for v in eqn.outvars):
         return None
-      if i in float32 or self.rule(eqn) == R.FLOAT32:
+      if i in float32 or i in moves or self.rule(eqn) == R.FLOAT32:
         return True
       if _is_convert(eqn):
         return _size(eqn.outvars[0].aval.dtype) >= max(4, _size(eqn.invars[0].aval.dtype))
-      body = self.body_of(eqn)
-      return body is not None and self.plan(body).feeds_float32[k]
+      return i in calls_in and calls_in[i][k]
 
     def fed(v: Any) -> bool:
-      if v in returned or not _floating(v):
+      if not _floating(v) or returned.get(v) is False:
         return False
       verdicts = [uses_in_float32(i, k) for i, k in uses.get(v, ())]
+      if v in returned:
+        verdicts.append(True)
       return True in verdicts and False not in verdicts
 
     for i in reversed(range(len(jaxpr.eqns))):
       eqn = jaxpr.eqns[i]
-      if (
-        self.rule(eqn) in R.FOLLOWING and not _is_convert(eqn) and len(eqn.outvars) == 1
+      if (body := self.body_of(eqn)) is not None:
+        calls_out[i] = tuple(fed(v) for v in eqn.outvars)
+        calls_in[i] = self.plan(body, fed_out=calls_out[i]).feeds_float32
+      elif (
+        self.rule(eqn) in R.FOLLOWING and eqn.primitive.name not in self.given
+        and not _is_convert(eqn) and len(eqn.outvars) == 1
         and not any(True for _ in jaxprs_in_params(eqn.params)) and fed(eqn.outvars[0])
       ):  # fmt: skip
-        float32.add(i)
-    return frozenset(float32), tuple(fed(v) for v in jaxpr.invars)
+        (moves if eqn.primitive.name in R.MOVES else float32).add(i)
+    feeds = tuple(fed(v) for v in jaxpr.invars)
+    return frozenset(float32), feeds, calls_out

@@ -61,6 +61,13 @@ _FLOAT32_OPS = (
 )  # fmt: skip
 _ORIGINAL_OPS = ("bitcast_convert_type", "nextafter", "pure_callback", "io_callback")
 
+#: Primitives that move or select values without arithmetic (exact in any dtype). Fed to
+#: float32 ops they are not cast themselves: the cast waits for the op that computes.
+MOVES = frozenset((
+  "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
+  "dynamic_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n",
+))  # fmt: skip
+
 #: The default rule table: primitive name -> rule. Every primitive not listed
 #: follows ``"promote"``.
 DEFAULT_RULES: dict[str, str] = {

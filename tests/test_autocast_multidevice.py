@@ -1,0 +1,59 @@
+"""autocast in data-parallel steps on 8 virtual CPU devices: shard_map with grad, and pmap.
+
+The scenarios run once, in a subprocess (``tests/md_autocast_worker.py`` sets
+``XLA_FLAGS`` before importing jax); the tests assert on the JSON it prints.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT = 900  # about 12 s alone; the margin covers a load of 10 on two cores
+
+pytestmark = pytest.mark.slow  # a subprocess with 8 devices
+
+
+@pytest.fixture(scope="module")
+def report():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(TESTS / "md_autocast_worker.py")], cwd=TESTS.parent,
+                        env=env, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _scenario(report, name):
+  r = report[name]
+  assert "error" not in r, r.get("error")
+  return r
+
+
+def test_grad_of_autocast_with_custom_rules_inside_shard_map_with_check_vma(report):
+  r = _scenario(report, "grad")
+  assert r["custom_calls"] == ["custom_jvp_call", "custom_vjp_call"]  # relu, gelu, own ones
+  assert r["float16_dots"] >= 4  # forward and backward matmuls in float16, per shard
+  assert r["dtypes"] == ["float32"] and r["finite"]
+  # The same gradients as the whole batch on one device (float32 sums in another order) ...
+  assert r["inside_vs_one_device"] < 2e-3
+  assert r["around_vs_one_device"] < 5e-3  # autocast around the shard_map step: either order
+  # ... and as the same step without autocast, to float16's precision.
+  assert r["inside_vs_float32"] < 1e-2
+
+
+def test_resnet_step_with_batchnorm_over_the_data_axis_under_shard_map_and_pmap(report):
+  r = _scenario(report, "resnet")
+  assert r["steps"] == [2, 2]  # both steps applied under both
+  assert r["dtypes"] == ["float32"]  # master weights and batch statistics
+  assert r["pmap_batch_stats_synced"] and r["stats_moved"]
+  # shard_map and pmap compute the same step ...
+  assert r["shard_map_vs_pmap"] < 1e-5 and r["stats_shard_map_vs_pmap"] < 1e-5
+  for a, b in zip(r["shard_map_losses"], r["pmap_losses"], strict=True):
+    assert abs(a - b) < 1e-5
+  # ... and the float32 step's losses, to float16's precision.
+  for a, b in zip(r["shard_map_losses"], r["float32_losses"], strict=True):
+    assert abs(a - b) < 1e-3
