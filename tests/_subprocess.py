@@ -62,7 +62,8 @@ def _bench(script: str, *args: str, cost: float) -> Run:
 
 
 RUNS: dict[str, Run] = {
-    # examples (tests/test_examples.py, tests/test_example_outputs.py, test_accumulate.py)
+    # examples (tests/test_examples.py, test_example_outputs.py, test_accumulate.py,
+    # test_checkpoint.py)
     "digits": Run((PY, "examples/digits.py", "--steps", "120", "--hidden", "32", "--log-every",
                    "20", "--growth-interval", "7", "--out", "{dir}/plots"), 18),
     "digits_no_mpl": Run((PY, "-c", NO_MATPLOTLIB, "examples/digits.py", "--steps", "3",
@@ -74,9 +75,12 @@ RUNS: dict[str, Run] = {
                               "{dir}/ckpt"), 9),
     "accumulation": Run((PY, "examples/accumulation.py", "--steps", "4", "--every-k", "4"), 6),
     "docs": Run((PY, "-c", DOCS, "docs/migration.md", "docs/diagnostics.md"), 15),
-    # several devices in one process (tests/test_multidevice.py, test_scaler.py)
+    # several devices in one process (tests/test_multidevice.py, test_scaler.py, test_fp8_*,
+    # test_autocast_multidevice.py, test_low_precision.py)
     "md_worker": Run((PY, "tests/md_worker.py"), 19),
     "md_fp8_worker": Run((PY, "tests/md_fp8_worker.py"), 8),
+    "md_autocast_worker": Run((PY, "tests/md_autocast_worker.py"), 14),
+    "lp_worker": Run((PY, "tests/lp_worker.py"), 16),
     "data_parallel": Run((PY, "examples/data_parallel.py", "--devices", "4", "--steps", "3",
                           "--bad-step", "1", "--fsdp"), 6),
     # the benchmarks' smoke runs

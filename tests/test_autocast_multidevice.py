@@ -5,26 +5,18 @@ The scenarios run once, in a subprocess (``tests/md_autocast_worker.py`` sets
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-TIMEOUT = 900  # about 12 s alone; the margin covers a load of 10 on two cores
+from tests._subprocess import output
 
-pytestmark = pytest.mark.slow  # a subprocess with 8 devices
+# A subprocess with 8 devices (tests/_subprocess.py starts it with the session).
+pytestmark = [pytest.mark.slow, pytest.mark.runs("md_autocast_worker")]
 
 
 @pytest.fixture(scope="module")
 def report():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, str(TESTS / "md_autocast_worker.py")], cwd=TESTS.parent,
-                        env=env, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(output("md_autocast_worker").strip().splitlines()[-1])
 
 
 def _scenario(report, name):

@@ -3,8 +3,6 @@
 import doctest
 import functools
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +12,8 @@ import pytest
 from flax import nnx
 
 import jmp_scaler
+from tests._subprocess import output, run_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_AT = 12, 6
 OVERFLOW_AT = (1, 4, 9)  # before and after the save
 # growth_interval=2: growth at steps 3, 6, 8 and 11, backoff at 1, 4 and 9.
@@ -278,37 +276,15 @@ def test_nnx_restore_checks_before_touching_the_target():
 
 # ---------------------------------------------------------------- example
 
-EXAMPLE_TEST = "test_checkpoint_resume_example_runs"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def example_run(request, tmp_path_factory):
-  """Starts the example when this module starts, so that it runs (on the other
-  core) while the tests above run; the last test collects it."""
-  if not any(item.name == EXAMPLE_TEST for item in request.session.items):
-    yield None
-    return
-  out = tmp_path_factory.mktemp("example")
-  proc = subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, "examples", "checkpoint_resume.py"),
-       "--steps", "6", "--dir", str(out)],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-  )  # fmt: skip
-  yield proc, out
-  if proc.poll() is None:
-    proc.kill()
-    proc.communicate()
-
-
 @pytest.mark.slow
-def test_checkpoint_resume_example_runs(example_run):
-  proc, out = example_run
-  stdout, stderr = proc.communicate(timeout=900)
-  assert proc.returncode == 0, stdout + stderr
+@pytest.mark.runs("checkpoint_resume")
+def test_checkpoint_resume_example_runs():
+  # tests/_subprocess.py's run (--steps 40, shared with tests/test_example_outputs.py).
+  stdout = output("checkpoint_resume")
   assert "bit-identical to the uninterrupted one: True" in stdout
   assert "ValueError: the loss scaler restored" in stdout
   assert "on_config_mismatch='target': growth_interval 4" in stdout
-  assert os.path.isdir(out / "step_3")
+  assert os.path.isdir(run_dir("checkpoint_resume") / "ckpt" / "step_20")  # saved at 40 // 2
 
 
 # ---------------------------------------------------------------- refusals

@@ -1,15 +1,11 @@
 """16-bit parameters without float32 master weights: rounding, Kahan, 16-bit Adam.
 
-The 8-device scenarios run once, in a subprocess started with the module when one of
-its tests is selected (``tests/lp_worker.py`` sets ``XLA_FLAGS`` before importing jax),
-alongside the in-process tests; the last tests assert on what it reports.
+The 8-device scenarios run once, in a subprocess that tests/_subprocess.py starts with the
+session (``tests/lp_worker.py`` sets ``XLA_FLAGS`` before importing jax), alongside the
+in-process tests; the last tests assert on what it reports.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import chex
 import jax
@@ -26,45 +22,22 @@ from jax.sharding import PartitionSpec as P
 import jmp_scaler
 from jmp_scaler.lowbit._adam16 import adam, adamw, low_precision_optimizer, scale_by_adam
 from jmp_scaler.lowbit._stochastic import (
-    applied_update,
-    kahan_summation,
-    random_bits,
-    step_key,
-    stochastic_cast,
-    stochastic_round,
+  applied_update,
+  kahan_summation,
+  random_bits,
+  step_key,
+  stochastic_cast,
+  stochastic_round,
 )
+from tests._subprocess import output
 
-TESTS = Path(__file__).resolve().parent
 BF16 = ml_dtypes.bfloat16
 
 
-WORKER_TESTS = ("test_eight_devices_match_one", "test_eight_devices_details")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _worker_proc(request):
-  """Starts the 8-device worker when this module starts, only if one of its tests is
-  selected, so that it runs on the other core while the tests above run."""
-  if not any(item.originalname in WORKER_TESTS for item in request.session.items):
-    yield None
-    return
-  proc = subprocess.Popen(
-      [sys.executable, str(TESTS / "lp_worker.py")], cwd=TESTS.parent,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True,
-  )  # fmt: skip
-  yield proc
-  if proc.poll() is None:
-    proc.kill()
-    proc.communicate()
-
-
 @pytest.fixture(scope="module")
-def worker(_worker_proc):
-  """What the 8-device worker reported."""
-  out, err = _worker_proc.communicate(timeout=900)
-  assert _worker_proc.returncode == 0, err[-3000:]
-  return json.loads(out)
+def worker():
+  """What the 8-device worker (tests/lp_worker.py, a run of tests/_subprocess.py) reported."""
+  return json.loads(output("lp_worker"))
 
 
 def _bits(x):
@@ -442,6 +415,7 @@ def test_jit_with_named_sharding_matches_unsharded():
 
 
 @pytest.mark.slow
+@pytest.mark.runs("lp_worker")
 @pytest.mark.parametrize(
     "name", ["jit_8", "jit_4", "shard_map_8", "shard_map_2", "replicated_8"]
 )
@@ -454,6 +428,7 @@ def test_eight_devices_match_one(worker, name):
 
 
 @pytest.mark.slow
+@pytest.mark.runs("lp_worker")
 def test_eight_devices_details(worker):
   assert worker["jit_8"]["sharded"] == 8
   assert worker["replicated_8"]["devices_agree"]
