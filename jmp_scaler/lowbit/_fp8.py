@@ -47,6 +47,11 @@ _BACKWARDS = ("fp8", "dequantized", "high_precision")
 _MAX_MARGIN = 16
 
 
+class Unsupported(ValueError):
+  """A dot that cannot run as an fp8 GEMM (its dtypes, precision, sharding): what the
+  autocast rule catches to keep such a dot in the compute dtype, with a warning."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
   """How :func:`fp8_dot_general` scales and casts: per-tensor current scaling.
@@ -136,6 +141,14 @@ def _varying(x: jax.Array) -> tuple[frozenset, frozenset]:
   return frozenset(getattr(aval, "vma", ())), unreduced
 
 
+def _check_reduced(x: jax.Array) -> None:
+  unreduced = _varying(x)[1]
+  if unreduced:
+    raise Unsupported(
+        f"fp8_dot_general got an operand that is unreduced along {sorted(unreduced)} (a "
+        "partial sum): its amax is not known until it is summed; reduce it first")
+
+
 def _amax_axes(x: jax.Array) -> tuple[str, ...]:
   """The mesh axes whose devices each hold a block of ``x``, inside ``shard_map``.
 
@@ -143,11 +156,8 @@ def _amax_axes(x: jax.Array) -> tuple[str, ...]:
   along; without it JAX does not track them, so every manual axis is taken
   (the ``pmax`` of a replicated value is the value itself).
   """
-  varying, unreduced = _varying(x)
-  if unreduced:
-    raise ValueError(
-        f"fp8_dot_general got an operand that is unreduced along {sorted(unreduced)} (a "
-        "partial sum): its amax is not known until it is summed; reduce it first")
+  _check_reduced(x)
+  varying = _varying(x)[0]
   mesh = jax.sharding.get_abstract_mesh()
   manual = tuple(getattr(mesh, "manual_axes", ()))
   if not manual:
@@ -319,7 +329,7 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 def _operand(name: str, x: Any) -> jax.Array:
   x = jnp.asarray(x)
   if np.dtype(x.dtype) not in _OPERAND_DTYPES:
-    raise ValueError(
+    raise Unsupported(
         f"fp8_dot_general takes float16, bfloat16 or float32 operands, got {name} of dtype "
         f"{x.dtype}")
   return x
@@ -330,7 +340,7 @@ def _check_precision(precision: Any) -> None:
   default = (None, lax.Precision.DEFAULT, "default", "DEFAULT", "fastest")
   parts = precision if isinstance(precision, (tuple, list)) else (precision,)
   if not all(any(p is d or p == d for d in default) for p in parts):
-    raise ValueError(
+    raise Unsupported(
         f"fp8_dot_general runs in fp8 and cannot honour precision={precision!r}: pass "
         "precision=None (or keep this dot out of fp8)")
 
@@ -421,6 +431,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any =
     raise ValueError(f"recipe must be a jmp_scaler.Fp8Recipe, got {recipe!r}")
   lhs, rhs = _operand("lhs", lhs), _operand("rhs", rhs)
   _check_precision(precision)
+  _check_reduced(lhs)
+  _check_reduced(rhs)  # all checks before anything is bound
   try:
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
@@ -435,7 +447,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any =
         f"{e}") from None
   out_dtype = np.dtype(want.dtype)
   if out_dtype not in _OPERAND_DTYPES:
-    raise ValueError(
+    raise Unsupported(
         f"fp8_dot_general returns float32, bfloat16 or float16, got preferred_element_type="
         f"{preferred_element_type!r} (result dtype {out_dtype})")
   lf = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
@@ -444,15 +456,16 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any =
   # (x @ w needs no transpose); otherwise [m, k] and [k, n].
   lhs_k_first = _before(lc, lf)
   rhs_k_first = not _before(rf, rc)
-  a = _canonical(lhs, lb, lc, lf, lhs_k_first)
-  b = _canonical(rhs, rb, rc, rf, rhs_k_first)
-  nb = int(bool(lb))
-  flat = (a.shape[0],) * nb + (a.shape[nb + int(lhs_k_first)], b.shape[nb + int(rhs_k_first)])
+  size = lambda x, dims: math.prod(x.shape[d] for d in dims)
+  flat = ((size(lhs, lb),) if lb else ()) + (size(lhs, lf), size(rhs, rf))  # [batch,] m, n
   if out_sharding is not None and flat != want.shape:
-    raise ValueError(
+    raise Unsupported(
         f"fp8_dot_general takes out_sharding only for a dot whose result needs no reshape "
         f"(one batch, one free dimension per operand), got dimension_numbers "
         f"{dimension_numbers!r} for lhs {lhs.shape} and rhs {rhs.shape}")
+  a = _canonical(lhs, lb, lc, lf, lhs_k_first)
+  b = _canonical(rhs, rb, rc, rf, rhs_k_first)
+  nb = int(bool(lb))
   site = _Site(recipe, bool(lb), nb + (0 if lhs_k_first else 1), nb + (0 if rhs_k_first else 1),
                np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype, out_sharding)
   return jnp.reshape(_fp8_matmul(a, b, site), want.shape)
