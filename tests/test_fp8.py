@@ -303,23 +303,27 @@ class DenseStack(nn.Module):
 
 class Attention(nn.Module):
   heads: int = 2
+  dot: object = staticmethod(jmp_scaler.fp8_dot_general)
 
   @nn.compact
   def __call__(self, x):  # x: [batch, time, d]
     d = x.shape[-1]
-    proj = lambda: nn.DenseGeneral((self.heads, d // self.heads), dot_general=DOT)
+    einsum = functools.partial(jnp.einsum, _dot_general=self.dot)
+    proj = lambda: nn.DenseGeneral((self.heads, d // self.heads), dot_general=self.dot)
     q, k, v = proj()(x), proj()(x), proj()(x)  # [b, t, h, hd]
-    s = fp8_einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads)
-    o = fp8_einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-    return nn.DenseGeneral(d, axis=(-2, -1), dot_general=DOT)(o)  # two contracting dims
+    s = einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads)
+    o = einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return nn.DenseGeneral(d, axis=(-2, -1), dot_general=self.dot)(o)  # two contracting dims
 
 
 DOT = jmp_scaler.fp8_dot_general
 
 
-def _grad_text(model, x):
+def _grad_text(model, x, transform=lambda apply: apply):
+  """The lowered StableHLO of the gradient of ``transform(model.apply)``, to params and x."""
   params = jax.eval_shape(model.init, jax.random.key(0), x)  # lowering needs only shapes
-  loss = lambda p, x: jnp.sum(model.apply(p, x).astype(jnp.float32) ** 2)
+  apply = transform(model.apply)
+  loss = lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) ** 2)
   return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text()
 
 
@@ -426,11 +430,12 @@ def test_under_vmap_each_slice_is_scaled_as_its_own_tensor():
 
 class F16Mlp(nn.Module):
   dot: object = staticmethod(jmp_scaler.fp8_dot_general)
+  dtype: object = jnp.float16
 
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Dense(16, dtype=jnp.float16, dot_general=self.dot)(x))
-    return nn.Dense(4, dtype=jnp.float16, dot_general=self.dot)(x)
+    x = nn.relu(nn.Dense(16, dtype=self.dtype, dot_general=self.dot)(x))
+    return nn.Dense(4, dtype=self.dtype, dot_general=self.dot)(x)
 
 
 def _clipping_dot(a, b, dn, precision=None, preferred_element_type=None, **kw):
@@ -440,16 +445,17 @@ def _clipping_dot(a, b, dn, precision=None, preferred_element_type=None, **kw):
 
 
 @functools.cache
-def _f16_run(dot):
-  """Three float16 steps through fp8 Dense layers (the second one's input overflows),
-  jitted once, run with no host transfer; the states after each step."""
+def _f16_run(dot, transform=lambda apply: apply, dtype=jnp.float16):
+  """Three steps of float16 inputs through fp8 Dense layers (the second one's input
+  overflows), jitted once, run with no host transfer; the states after each step.
+  ``transform`` is applied to the model's ``apply`` (an autocast)."""
   chex.clear_trace_counter()  # the count is per step function, not per dot
-  model = F16Mlp(dot=dot)
+  model = F16Mlp(dot=dot, dtype=dtype)
   x = jnp.asarray(np.random.default_rng(5).normal(size=(8, 6)), jnp.float32)
   y = jnp.zeros((8, 4), jnp.float32)
   tx = optax.chain(jmp_scaler.dynamic_scale(1.0), optax.adam(1e-2))  # no overflow of its own
   params = fast_jit(model.init)(jax.random.key(0), x)["params"]
-  state = jmp_scaler.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  state = jmp_scaler.TrainState.create(apply_fn=transform(model.apply), params=params, tx=tx)
 
   @fast_jit
   @chex.assert_max_traces(n=1)

@@ -5,7 +5,8 @@ again, equation by equation, casting the floating inputs of each primitive as
 its rule says (:mod:`jmp_scaler.precision._rules`): matmuls and convolutions in
 the policy's compute dtype, exponentials, logarithms, powers and reductions in
 float32, everything else at the widest of its inputs (what the casts already in
-the jaxpr mean is decided first: :mod:`jmp_scaler.precision._casts`). The re-evaluation binds
+the jaxpr mean is decided first: :mod:`jmp_scaler.precision._casts`); under the
+``"fp8"`` rule each ``dot_general`` is bound as ``fp8_dot_general``. The re-evaluation binds
 ordinary primitives, so the result composes with ``jax.jit``, ``jax.grad``,
 ``jax.vmap`` and ``shard_map`` like any JAX function, and holds wherever and
 whenever it is jitted.
@@ -14,6 +15,7 @@ whenever it is jitted.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +27,7 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
 
 from jmp_scaler._leaves import FLOAT32, is_real_floating
+from jmp_scaler.lowbit._fp8 import Fp8Recipe, Unsupported, fp8_dot_general
 from jmp_scaler.precision import _rules as R
 from jmp_scaler.precision._casts import NONE, Planner
 from jmp_scaler.precision._modules import as_policy
@@ -46,11 +49,35 @@ def _is_weak(var: Any) -> bool:
   return (isinstance(var, Literal) and not aval.shape) or bool(getattr(aval, "weak_type", False))
 
 
+def _all_fp8(args: Sequence[Any]) -> bool:
+  """Whether every floating input is 8-bit: a matmul already in fp8 (fp8_dot_general's own)."""
+  floats = [a for a in args if is_real_floating(a)]
+  return bool(floats) and all(np.dtype(a.dtype).itemsize == 1 for a in floats)
+
+
+#: The registry of the warnings below: one warning per site and reason, as ``warnings.warn``
+#: gives one per line of code under the default filters.
+_NOT_FP8: dict = {}
+
+
+def _warn_not_fp8(eqn: Any, reason: Exception, dtype: Any) -> None:
+  """Warns, once per site, that a dot under the "fp8" rule runs in ``dtype`` instead."""
+  site = source_info_util.summarize(eqn.source_info)
+  m = re.match(r"(.*):(\d+):\d+ \(.*\)$", site)
+  filename, lineno = (m.group(1), int(m.group(2))) if m else ("<unknown>", 0)
+  warnings.warn_explicit(
+    f"jmp_scaler.autocast: the dot_general at {site} does not run in fp8; it runs in {dtype} "
+    f"under the 'compute' rule: {reason}",
+    UserWarning, filename, lineno, registry=_NOT_FP8,
+  )
+
+
 class _Interpreter:
   """Evaluates jaxprs under a policy and a rule table (see :mod:`._casts` for the plan)."""
 
-  def __init__(self, policy: Policy, table: Mapping[str, str], given: frozenset[str]):
-    self.policy, self.table = policy, table
+  def __init__(self, policy: Policy, table: Mapping[str, str], given: frozenset[str],
+               recipe: Fp8Recipe):  # fmt: skip
+    self.policy, self.table, self.recipe = policy, table, recipe
     self.planner = Planner(table, self._body_of, given)
 
   @staticmethod
@@ -116,6 +143,10 @@ class _Interpreter:
     if R.is_scatter(eqn):
       args, _ = self._cast(eqn, args, rule or R.PROMOTE, cast)
       return R.rebind_scatter(eqn, args)
+    if rule in R.MATMUL and _all_fp8(args):  # already fp8: lower than any compute dtype
+      return self._bind(eqn, args, eqn.params)
+    if rule == R.FP8:
+      return self._fp8(eqn, args, cast)
     if any(True for _ in jaxprs_in_params(eqn.params)):
       warnings.warn(
         f"jmp_scaler.autocast cannot rewrite the body of {name!r}; it runs at the dtypes "
@@ -126,6 +157,23 @@ class _Interpreter:
     if rule is None:
       rule = R.PROMOTE if not eqn.primitive.multiple_results else R.KEEP
     return self._bind(eqn, *self._cast(eqn, args, rule, cast))
+
+  def _fp8(self, eqn: Any, args: list, cast: Callable) -> list:
+    """A ``dot_general`` as :func:`fp8_dot_general`, its result in the compute rule's dtype.
+
+    A dot the op refuses (integer or float64 operands, a non-default precision, an
+    ``out_sharding`` on a reshaped dot, an unreduced operand) runs under the "compute"
+    rule instead, with a warning once per site: never silently in high precision.
+    """
+    dtypes = [a.dtype for a in args if is_real_floating(a)]
+    target = R.TARGETS[R.COMPUTE](self.policy.compute_dtype, dtypes, [False] * len(dtypes))
+    try:
+      params = {**eqn.params, "preferred_element_type": target}
+      return [fp8_dot_general(*args, **params, recipe=self.recipe)]
+    except Unsupported as e:
+      out = self._bind(eqn, *self._cast(eqn, args, R.COMPUTE, cast))
+      _warn_not_fp8(eqn, e, out[0].dtype)
+      return out
 
   def _runner(self, eqn: Any, fed_out: tuple | None) -> Callable:
     """``run`` for a higher-order equation: its call body knows which results feed float32."""
@@ -236,7 +284,7 @@ def autocast(
   fun: Callable | Policy | str | None = None,
   policy: Policy | str | None = None,
   *,
-  rules: Mapping[Any, str] | None = None,
+  rules: Mapping[Any, str | Fp8Recipe] | None = None,
 ) -> Callable:
   """Transforms ``fun`` to compute under ``policy``, op by op, as ``torch.autocast`` does.
 
@@ -252,7 +300,14 @@ def autocast(
   * ``"promote"`` (every other primitive): the widest floating input, scalar
     constants not counted, so a float16 matmul plus a float32 bias is float32;
   * ``"reciprocal"`` (``div``): float32 for ``1 / x``, otherwise ``"promote"``;
-  * ``"original"``: the dtypes ``fun`` was traced with.
+  * ``"original"``: the dtypes ``fun`` was traced with;
+  * ``"fp8"`` (``dot_general`` only, never a default): each matmul as
+    :func:`jmp_scaler.fp8_dot_general` with per-tensor current scaling, forward
+    and backward, its result in the compute dtype; ``rules={"dot_general":
+    Fp8Recipe(...)}`` chooses the recipe (default ``Fp8Recipe()``). Dots already
+    in fp8 are kept as they are (under ``"compute"`` too); a dot the op refuses
+    (integer or float64 operands, a non-default ``precision``, ...) runs under
+    ``"compute"`` with a ``UserWarning`` once per site (docs/fp8.md).
 
   Two things are decided from the traced dtypes first (:mod:`._casts`): a cast
   back to half precision that ends a round trip (``x16 -> float32 -> op ->
@@ -281,6 +336,7 @@ def autocast(
   Use it as a function or as a decorator::
 
     loss = jmp_scaler.autocast(loss_fn, "p=f32,c=f16,o=f32")
+    loss8 = jmp_scaler.autocast(loss_fn, "p=f32,c=bf16,o=f32", rules={"dot_general": "fp8"})
 
     @jmp_scaler.autocast(policy="p=f32,c=bf16,o=f32")
     def forward(params, x): ...
@@ -291,15 +347,18 @@ def autocast(
     fun: the function; omit it (or pass the policy first) for a decorator.
     policy: a :class:`jmp_scaler.Policy` or a policy string.
     rules: primitive (or its name) -> rule, over :data:`DEFAULT_RULES`; for
-      example ``{"tanh": "float32", "reduce_max": "promote"}``. A name must
-      be a known primitive's; a primitive object of your own is accepted.
+      example ``{"tanh": "float32", "reduce_max": "promote"}``, or
+      ``{"dot_general": "fp8"}`` (or an :class:`jmp_scaler.Fp8Recipe` as its
+      rule). A name must be a known primitive's; a primitive object of your
+      own is accepted.
 
   Returns:
     The transformed function, with ``fun``'s signature.
 
   Raises:
-    ValueError: naming the argument, for a bad function, policy or rule, and
-      for an unknown primitive name (with the closest known names).
+    ValueError: naming the argument, for a bad function, policy or rule (the
+      ``"fp8"`` rule for another primitive than ``dot_general``), and for an
+      unknown primitive name (with the closest known names).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jmp_scaler
@@ -313,13 +372,13 @@ def autocast(
   if policy is None:
     raise ValueError("policy must be a jmp_scaler.Policy or a policy string, got None")
   policy = as_policy("policy", policy)
-  table = R.rule_table(rules)
+  table, recipe = R.rule_table(rules)
   if fun is None:
     return functools.partial(autocast, policy=policy, rules=rules)
   if not callable(fun):
     raise ValueError(f"fun must be callable, got {fun!r}")
   given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {}))
-  interp = _Interpreter(policy, table, given)
+  interp = _Interpreter(policy, table, given, recipe)
 
   def body(static, *dyn):
     def flat(*xs):

@@ -109,7 +109,7 @@ class Planner:
       ins = NONE.union(*(get(v) for v in eqn.invars if _floating(v)))
       if _is_convert(eqn):
         outs = [self._through_cast(eqn, ins, trips, i)]
-      elif self.rule(eqn) == R.COMPUTE:
+      elif self.rule(eqn) in R.MATMUL:
         outs = [NONE] * len(eqn.outvars)  # a matmul's result is new, in the compute dtype
       elif (body := self.body_of(eqn)) is not None:
         inner = self.plan(body, [get(v) for v in eqn.invars])

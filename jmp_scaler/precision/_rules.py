@@ -10,7 +10,9 @@ Each primitive has a rule, which decides the dtype its floating inputs are cast 
 * ``"original"``: the dtypes the function was traced with (for ops whose meaning
   depends on the bit layout, such as ``bitcast_convert_type``, and for host callbacks);
 * ``"keep"``: the inputs as they come, each in its own dtype (the default for
-  primitives with several independent results: ``psum``, ``sort``, ``device_put``).
+  primitives with several independent results: ``psum``, ``sort``, ``device_put``);
+* ``"fp8"`` (``dot_general`` only, or an :class:`~jmp_scaler.Fp8Recipe` as the rule): the
+  dot runs as :func:`~jmp_scaler.fp8_dot_general`, its result in the compute dtype.
 
 Integer, boolean and key-typed values are never cast, and float64 is never narrowed
 (PyTorch does not autocast float64 either).
@@ -37,11 +39,18 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 
+from jmp_scaler.lowbit._fp8 import Fp8Recipe
+
 COMPUTE, FLOAT32, PROMOTE, RECIPROCAL = "compute", "float32", "promote", "reciprocal"
-ORIGINAL, KEEP = "original", "keep"
-RULES = (COMPUTE, FLOAT32, PROMOTE, RECIPROCAL, ORIGINAL, KEEP)
+ORIGINAL, KEEP, FP8 = "original", "keep", "fp8"
+RULES = (COMPUTE, FLOAT32, PROMOTE, RECIPROCAL, ORIGINAL, KEEP, FP8)
 #: The rules under which an op follows its inputs: one fed only to float32 ops runs in float32.
 FOLLOWING = (PROMOTE, RECIPROCAL)
+#: The rules of matmuls: their result is a new value, in the compute dtype (or fp8's result).
+MATMUL = (COMPUTE, FP8)
+#: The primitives the "fp8" rule applies to: matmuls only (docs/fp8.md: convolutions stay
+#: in the compute dtype, as TransformerEngine and torchao keep them).
+FP8_OPS = ("dot_general",)
 
 _COMPUTE_OPS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 _FLOAT32_OPS = (
@@ -78,17 +87,19 @@ DEFAULT_RULES: dict[str, str] = {
 }
 
 
-def rule_table(rules: Any) -> dict[str, str]:
-  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it.
+def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe]:
+  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it,
+  and the recipe of the ``"fp8"`` rule (``Fp8Recipe()`` unless a recipe is the rule).
 
   A name must be that of a primitive JAX (or any loaded module) defines; a primitive
-  object is accepted as it is, so a primitive of your own needs no registration.
+  object is accepted as it is, so a primitive of your own needs no registration. The
+  ``"fp8"`` rule (or an ``Fp8Recipe``) is accepted for ``dot_general`` only.
   """
+  table, recipe = dict(DEFAULT_RULES), Fp8Recipe()
   if rules is None:
-    return dict(DEFAULT_RULES)
+    return table, recipe
   if not isinstance(rules, dict):
     raise ValueError(f"rules must be a dict from primitive (or its name) to a rule, got {rules!r}")
-  table = dict(DEFAULT_RULES)
   for key, rule in rules.items():
     if isinstance(key, str):
       name = key
@@ -97,10 +108,17 @@ def rule_table(rules: Any) -> dict[str, str]:
       name = key.name
     else:
       raise ValueError(f"rules keys must be primitives or primitive names, got {key!r}")
-    if rule not in RULES:
-      raise ValueError(f"rules[{name!r}] must be one of {RULES}, got {rule!r}")
+    if isinstance(rule, Fp8Recipe):
+      rule, recipe = FP8, rule
+    if not isinstance(rule, str) or rule not in RULES:
+      raise ValueError(
+        f"rules[{name!r}] must be one of {RULES} or a jmp_scaler.Fp8Recipe, got {rule!r}")
+    if rule == FP8 and name not in FP8_OPS:
+      raise ValueError(
+        f"rules[{name!r}] is 'fp8', which applies to {' and '.join(FP8_OPS)} only: "
+        "convolutions and other ops stay in the compute dtype (docs/fp8.md)")
     table[name] = rule
-  return table
+  return table, recipe
 
 
 def known_primitives() -> set[str]:
