@@ -55,6 +55,17 @@ def mlp(p, x, axis=None):
 value_and_grads = jax.value_and_grad(mlp, argnums=(0, 1))
 
 
+def plain_mlp(p, x):
+  """``mlp`` in plain float32 code: its dots become fp8 by the autocast rule."""
+  return jnp.sum(jnp.sin(jnp.tanh(x @ p["w1"]) @ p["w2"]))
+
+
+# Under "f32" the rule binds fp8_dot_general(x, w, DN, preferred_element_type=float32): the op
+# ``mlp`` calls, so the one-device reference is the same.
+autocast_mlp = jmp_scaler.autocast(plain_mlp, "f32", rules={"dot_general": "fp8"})
+autocast_grads = jax.value_and_grad(autocast_mlp, argnums=(0, 1))
+
+
 def flat(out):
   """``[loss, dw1, dw2, dx]`` as NumPy arrays."""
   loss, (gp, gx) = out
@@ -120,6 +131,43 @@ def shard_map_2d(ref):
   return {"diffs": diffs(jax.jit(fn, compiler_options=FAST)(p, x), ref)}
 
 
+def autocast_one_device(ref):
+  x, p = data()
+  return {"diffs": diffs(jax.jit(autocast_grads, compiler_options=FAST)(p, x), ref)}
+
+
+def autocast_jit_auto(ref):
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Auto,))
+  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+  ps = jax.device_put(p, NamedSharding(mesh, P()))
+  return {"diffs": diffs(jax.jit(autocast_grads, compiler_options=FAST)(ps, xs), ref)}
+
+
+def autocast_in_shard_map(ref):
+  """The autocast loss inside a data-parallel shard_map (check_vma on)."""
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Auto,))
+
+  def body(p, x):
+    loss, grads = autocast_grads(p, x)
+    return lax.psum(loss, "d"), grads
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), (P(), P("d"))))
+  return {"diffs": diffs(jax.jit(fn, compiler_options=FAST)(p, x), ref)}
+
+
+def shard_map_in_autocast(ref):
+  """A shard_map inside the function autocast transforms: the rule runs in its body."""
+  x, p = data()
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Auto,))
+  sharded = jax.shard_map(lambda p, x: lax.psum(plain_mlp(p, x), "d"), mesh=mesh,
+                          in_specs=(P(), P("d")), out_specs=P())
+  loss = jmp_scaler.autocast(sharded, "f32", rules={"dot_general": "fp8"})
+  fn = jax.value_and_grad(loss, argnums=(0, 1))
+  return {"diffs": diffs(jax.jit(fn, compiler_options=FAST)(p, x), ref)}
+
+
 def unreduced():
   """A partial sum (unreduced along "d", explicit sharding) is refused, not scaled."""
   x, p = data()
@@ -157,6 +205,10 @@ def main():
       "shard_map_2d": lambda: shard_map_2d(ref),
       "per_shard_control": lambda: per_shard_control(ref),
       "unreduced": unreduced,
+      "autocast_one_device": lambda: autocast_one_device(ref),
+      "autocast_jit_auto": lambda: autocast_jit_auto(ref),
+      "autocast_in_shard_map": lambda: autocast_in_shard_map(ref),
+      "shard_map_in_autocast": lambda: shard_map_in_autocast(ref),
   }
   out = {"ref_max": [float(np.max(np.abs(a))) for a in flat(ref)]}
   for name, fn in scenarios.items():

@@ -2,7 +2,8 @@
 
 The scenarios run once, in a subprocess (``tests/md_fp8_worker.py`` sets
 ``XLA_FLAGS`` before importing jax); the tests assert on what it reports.
-Each compares an fp8 MLP's loss and gradients with the one-device result.
+Each compares an fp8 MLP's loss and gradients with the one-device result, the
+``autocast_*`` ones with the MLP's dots made fp8 by ``autocast``'s rule.
 """
 
 import json
@@ -31,7 +32,10 @@ def _scenario(report, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["jit_auto", "jit_explicit", "shard_map", "shard_map_no_check_vma", "shard_map_2d"])
+    "name", ["jit_auto", "jit_explicit", "shard_map", "shard_map_no_check_vma", "shard_map_2d",
+             # the same MLP in plain code, its dots made fp8 by autocast's rule:
+             "autocast_one_device", "autocast_jit_auto", "autocast_in_shard_map",
+             "shard_map_in_autocast"])
 def test_eight_devices_give_the_one_device_loss_and_gradients(report, name):
   diffs = _scenario(report, name)["diffs"]  # loss, dw1, dw2, dx
   rel = [d / m for d, m in zip(diffs, report["ref_max"], strict=True)]
