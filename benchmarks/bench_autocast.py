@@ -1,18 +1,22 @@
 """What ``jmp_scaler.autocast`` costs against the same model hand-annotated with ``dtype=``.
 
-For each model, two training steps (float32 master parameters, Adam, ``dynamic_scale``,
+For each model, three training steps (float32 master parameters, Adam, ``dynamic_scale``,
 ``jmp_scaler.TrainState``) are compiled and timed in one process:
 
   hand       the Flax model written with ``dtype=compute_dtype`` on every layer
   autocast   the same model written in float32 (no dtype anywhere), its ``apply``
              transformed by ``jmp_scaler.autocast(apply, policy)``
+  fp8        the same, by ``jmp_scaler.autocast(apply, policy, rules={"dot_general": "fp8"})``:
+             every matmul an fp8 GEMM with per-tensor current scaling (convolutions stay in
+             the compute dtype); XLA:CPU has no fp8 GEMM and upcasts the fp8 operands
 
-Rounds are interleaved (hand, autocast, autocast, hand, ...) so both see the same machine
-load; the table gives the median step time over rounds and the median over rounds of the
-per-round ratio autocast / hand, with its interquartile range. Compile time is the median of
-``--compiles`` fresh lower+compile runs of each step. From the compiled HLO it counts the
-dots and convolutions and how many run in the compute dtype (XLA:CPU computes float16 dots in
-float32 between converts, so on CPU the lowered StableHLO is counted as well).
+Rounds are interleaved (hand, autocast, fp8, then the reverse order, ...) so all see the same
+machine load; the table gives the median step time over rounds and the median over rounds of
+the per-round ratios autocast / hand and fp8 / autocast, with their interquartile ranges.
+Compile time is the median of ``--compiles`` fresh lower+compile runs of each step. From the
+compiled HLO it counts the dots and convolutions and how many run in the compute dtype
+(XLA:CPU computes float16 dots in float32 between converts, so on CPU the lowered StableHLO is
+counted as well, and the lowered dots with fp8 operands).
 
   python benchmarks/bench_autocast.py                   # CNN and MLP, float16 compute
   python benchmarks/bench_autocast.py --policy p=f32,c=bf16,o=f32 --rounds 21
@@ -20,12 +24,17 @@ float32 between converts, so on CPU the lowered StableHLO is counted as well).
 
 ``--model gpt`` trains instead (issue 12): the character-level GPT of bench_bf16.py, written in
 plain float32 code with no dtype anywhere, for ``--gpt-steps`` steps and ``--seeds`` seeds, in
-float32 and with its loss function transformed by ``jmp_scaler.autocast(fn, policy)``, both
-through ``jmp_scaler.TrainState`` with ``optax.chain(jmp_scaler.dynamic_scale(), optax.adam)``
-and ``jmp_scaler.value_and_grad``. The table gives the final test loss and accuracy (mean +- sd
-over seeds), the skipped steps, and the difference from float32 in float32 seed sds.
+float32, with its loss function transformed by ``jmp_scaler.autocast(fn, policy)``, and by
+``jmp_scaler.autocast(fn, policy, rules={"dot_general": "fp8"})`` (every matmul in fp8, the
+tied output projection included), all through ``jmp_scaler.TrainState`` with
+``optax.chain(jmp_scaler.dynamic_scale(), optax.adam)`` and ``jmp_scaler.value_and_grad``. The
+table gives the final test loss and accuracy (mean +- sd over seeds), the skipped steps, and
+the difference from float32 in float32 seed sds; then the per-seed differences (autocast -
+float32, fp8 - autocast), and each setup's compile time and step time (all seeds' steps,
+compile excluded) with the ratio fp8 / autocast.
 
-  python benchmarks/bench_autocast.py --model gpt       # 3 seeds x 1500 steps, about 2 minutes
+  python benchmarks/bench_autocast.py --model gpt       # 3 seeds x 1500 steps
+  python benchmarks/bench_autocast.py --model gpt --policy p=f32,c=bf16,o=f32   # fp8 vs bf16
   python benchmarks/bench_autocast.py --model gpt --quick
 
 ``--model losses`` measures what running the ops fed only to float32 ops in float32 costs
@@ -115,6 +124,11 @@ def lowered_counts(text: str, half: str) -> tuple[int, int]:
   return len(ops), sum(dt == half for dt in ops)
 
 
+def lowered_fp8_dots(text: str) -> int:
+  """The lowered dots whose operands are fp8."""
+  return len(re.findall(r"stablehlo\.dot_general.* : \(tensor<(?:[\d?]+x)*f8E", text))
+
+
 def f32_ops_sent_half(text: str, half: str) -> int:
   """Exponentials, logarithms and reductions the rules keep in float32 found in ``half``."""
   pat = rf"stablehlo\.(?:exponential|log|log_plus_one|reduce)\b.* : \(?tensor<(?:[\d?]+x)*{half}>"
@@ -131,6 +145,7 @@ def bench_model(name, model_cls, kwargs, x, policy, args):
   variants = {  # factories: each compile gets a fresh function, autocast's trace included
       "hand": lambda: model_cls(**kwargs, dtype=policy.compute_dtype).apply,
       "autocast": lambda: autocast(ref.apply, policy),
+      "fp8": lambda: autocast(ref.apply, policy, rules={"dot_general": "fp8"}),
   }
   rows = {}
   for label, new_apply in variants.items():
@@ -151,13 +166,13 @@ def bench_model(name, model_cls, kwargs, x, policy, args):
     rows[label] = {
         "step": step, "state": make(apply_fn), "times": [], "compile": statistics.median(compiles),
         "hlo": hlo_counts(text, half), "lowered": lowered_counts(low, half),
-        "f32_in_half": f32_ops_sent_half(low, half),
+        "f32_in_half": f32_ops_sent_half(low, half), "fp8": lowered_fp8_dots(low),
     }  # fmt: skip
     rows[label]["state"], loss = step(rows[label]["state"], x, y)  # warm up
     jax.block_until_ready(loss)
-  ratios = []
+  ratios, fp8_ratios = [], []
   for r in range(args.rounds):
-    order = ["hand", "autocast"] if r % 2 == 0 else ["autocast", "hand"]
+    order = list(rows) if r % 2 == 0 else list(rows)[::-1]
     per = {}
     for label in order:
       row = rows[label]
@@ -168,18 +183,24 @@ def bench_model(name, model_cls, kwargs, x, policy, args):
       per[label] = (time.perf_counter() - t0) / args.steps
       row["times"].append(per[label])
     ratios.append(per["autocast"] / per["hand"])
+    fp8_ratios.append(per["fp8"] / per["autocast"])
   q = np.percentile(ratios, [25, 50, 75])
   print(f"\n{name}  policy {policy}  backend {jax.default_backend()}  rounds {args.rounds} "
         f"x {args.steps} steps")  # fmt: skip
   print(f"{'variant':10} {'step ms':>9} {'compile s':>10} {'HLO dots+convs in ' + half:>24} "
-          f"{'lowered':>10} {'f32 ops in ' + half:>13}")  # fmt: skip
+          f"{'lowered':>10} {'f32 ops in ' + half:>13} {'fp8 dots':>9}")  # fmt: skip
   for label, row in rows.items():
     n, h = row["hlo"]
     ln, lh = row["lowered"]
     print(f"{label:10} {1e3 * statistics.median(row['times']):9.3f} {row['compile']:10.2f} "
-          f"{f'{h}/{n}':>24} {f'{lh}/{ln}':>10} {row['f32_in_half']:>13}")  # fmt: skip
+          f"{f'{h}/{n}':>24} {f'{lh}/{ln}':>10} {row['f32_in_half']:>13} "
+          f"{row['fp8']:>9}")  # fmt: skip
   print(f"ratio autocast/hand: step {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), "
         f"compile {rows['autocast']['compile'] / rows['hand']['compile']:.3f}")  # fmt: skip
+  q8 = np.percentile(fp8_ratios, [25, 50, 75])
+  emulated = "  (emulated: XLA:CPU upcasts fp8 operands)" if jax.default_backend() == "cpu" else ""
+  print(f"ratio fp8/autocast: step {q8[1]:.3f} (IQR {q8[0]:.3f}-{q8[2]:.3f}), "
+        f"compile {rows['fp8']['compile'] / rows['autocast']['compile']:.3f}{emulated}")
   return q[1]
 
 
@@ -239,7 +260,9 @@ def train_gpt(args, policy):
   xtr, ytr = jnp.asarray(task.x_train), jnp.asarray(task.y_train)
   xte, yte = jnp.asarray(task.x_test), jnp.asarray(task.y_test)
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(task.lr))
-  setups = {"float32": task.loss_acc, f"autocast {policy}": autocast(task.loss_acc, policy)}
+  auto, fp8 = f"autocast {policy}", f"fp8 {policy}"
+  setups = {"float32": task.loss_acc, auto: autocast(task.loss_acc, policy),
+            fp8: autocast(task.loss_acc, policy, rules={"dot_general": "fp8"})}
 
   def make_train(apply_fn):
     def loss_fn(params, x, y):
@@ -265,13 +288,15 @@ def train_gpt(args, policy):
 
   rows = {}
   for label, apply_fn in setups.items():
-    train = make_train(apply_fn)
     t0 = time.perf_counter()
+    train = make_train(apply_fn).lower(0).compile()
+    t1 = time.perf_counter()
     out = [jax.device_get(train(seed)) for seed in range(args.seeds)]
+    t2 = time.perf_counter()
     rows[label] = {
         "loss": np.array([float(o[0]) for o in out]), "acc": np.array([float(o[1]) for o in out]),
         "skips": [int(o[2]) for o in out], "scale": [float(o[3]) for o in out],
-        "time": time.perf_counter() - t0,
+        "time": t2 - t0, "compile": t1 - t0, "step": (t2 - t1) / (args.seeds * task.steps),
     }  # fmt: skip
   ref = rows["float32"]["loss"]
   sd = ref.std(ddof=1) if len(ref) > 1 else float("nan")
@@ -287,9 +312,18 @@ def train_gpt(args, policy):
           f"{acc.mean():7.4f} +- {acc.std(ddof=1) if len(acc) > 1 else 0:.4f} "
           f"{'/'.join(map(str, row['skips'])):>15} {statistics.median(row['scale']):12.0f} "
           f"{diff:+21.2f} {row['time']:6.1f}")  # fmt: skip
-  paired = rows[f"autocast {policy}"]["loss"] - ref
+  paired = rows[auto]["loss"] - ref
   print(f"per-seed loss difference autocast - float32: "
         f"{' '.join(f'{d:+.4f}' for d in paired)}")  # fmt: skip
+  paired8 = rows[fp8]["loss"] - rows[auto]["loss"]
+  sd_auto = rows[auto]["loss"].std(ddof=1) if args.seeds > 1 else float("nan")
+  print(f"per-seed loss difference fp8 - autocast: {' '.join(f'{d:+.4f}' for d in paired8)}"
+        f"  (mean {paired8.mean() / sd_auto:+.2f} autocast sds)")  # fmt: skip
+  print("step ms (compile s): " + ", ".join(
+      f"{label.split()[0]} {1e3 * row['step']:.2f} ({row['compile']:.1f})"
+      for label, row in rows.items()) + f"; ratio fp8/autocast: step "
+      f"{rows[fp8]['step'] / rows[auto]['step']:.3f}, compile "
+      f"{rows[fp8]['compile'] / rows[auto]['compile']:.3f}")  # fmt: skip
   return rows
 
 
