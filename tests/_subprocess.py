@@ -7,10 +7,8 @@ starts every run a selected test names, the costliest first, two at a time
 in-process tests run, and a run that two test files read runs once. With
 ``-m "not slow"`` none starts.
 
-The examples run with the suite's XLA_FLAGS (``tests/conftest.py``: LLVM optimisation
-off, the same arithmetic); the benchmarks' smoke runs also compile with XLA:CPU's
-older emitters (``--xla_cpu_use_fusion_emitters=false``, a third of the compile
-time: they assert what the scripts print, not bits).
+Every run inherits the suite's XLA_FLAGS (``tests/conftest.py``: fast compiles, the
+same HLO and arithmetic); a run's own flags are appended.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
-BENCH_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 # The longest run takes about a minute alone; the margin covers a load of 10 on two cores.
 TIMEOUT = 900
 
@@ -58,7 +55,7 @@ class Run:
 
 
 def _bench(script: str, *args: str, cost: float) -> Run:
-  return Run((PY, f"benchmarks/{script}", *args), cost, BENCH_FLAGS)
+  return Run((PY, f"benchmarks/{script}", *args), cost)
 
 
 RUNS: dict[str, Run] = {
@@ -153,16 +150,3 @@ def run_dir(name: str) -> pathlib.Path:
   """The directory run ``name`` wrote to (``{dir}`` in its command)."""
   return POOL.dir(name)
 
-
-def run_benchmark(script: str, *args: str) -> str:
-  """Runs ``benchmarks/<script> *args`` now, in the foreground; returns its standard output.
-
-  For a run that only one test reads and that is not yet in :data:`RUNS`; a run in
-  :data:`RUNS` works in the background instead.
-  """
-  flags = f"{os.environ.get('XLA_FLAGS', '')} {BENCH_FLAGS}".strip()
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-  proc = subprocess.run([PY, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=TIMEOUT)
-  assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
-  return proc.stdout

@@ -261,7 +261,8 @@ def adam_runs():
 @functools.cache
 def adam_at_the_default_level():
   """``adam`` as users compile it: XLA:CPU's default level (the suite compiles at the lowest)."""
-  default = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+  default = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False,
+             "xla_cpu_use_fusion_emitters": True}
   ours, theirs = (make() for make in PAIRS["adam"])
   return jax.jit(lambda: {"ours": _tanh_layer_run(ours), "optax": _tanh_layer_run(theirs)},
                  compiler_options=default)()  # fmt: skip
