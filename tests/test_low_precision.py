@@ -5,6 +5,7 @@ session (``tests/lp_worker.py`` sets ``XLA_FLAGS`` before importing jax), alongs
 in-process tests; the last tests assert on what it reports.
 """
 
+import functools
 import json
 
 import chex
@@ -57,11 +58,18 @@ def _neighbours(x32: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
   return lo, hi
 
 
-def _draws(x, dtype, n, count=0):
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _round(seed, x, dtype):
+  """stochastic_cast of ``x`` with the bits of step 0 of ``seed``, in one program per shape
+  and dtype (run eagerly, the hash and the cast are some 30 small compiles)."""
+  bits = random_bits(step_key(seed, 0, jnp.int32(0)), 0, x.shape)
+  return stochastic_cast(x, dtype, bits)
+
+
+def _draws(x, dtype, n):
   """``n`` stochastic roundings of each value of ``x`` (different elements' bits)."""
-  xs = jnp.repeat(jnp.asarray(x, jnp.float32)[:, None], n, axis=1)
-  bits = random_bits(step_key(3, 0, jnp.int32(count)), 0, xs.shape)
-  return np.asarray(stochastic_cast(xs, dtype, bits).astype(jnp.float32), np.float64)
+  xs = np.repeat(np.asarray(x, np.float32)[:, None], n, axis=1)
+  return np.asarray(_round(3, xs, dtype)).astype(np.float64)
 
 
 # ---------------------------------------------------------------- rounding
@@ -88,10 +96,10 @@ def test_rounding_is_unbiased(dtype):
 def test_rounding_is_unbiased_over_steps():
   """One element, 4096 steps: the step count changes the bits (no element bias)."""
   x = np.float32(1.0 + 2.0**-9)  # a quarter of the way to the next bfloat16
-  counts = jnp.arange(4096, dtype=jnp.int32)
+  counts = np.arange(4096, dtype=np.int32)
   draw = jax.jit(jax.vmap(lambda c: stochastic_cast(
       jnp.full((1,), x), jnp.bfloat16, random_bits(step_key(0, 0, c), 0, (1,)))))
-  got = np.asarray(draw(counts).astype(jnp.float32), np.float64).ravel()
+  got = np.asarray(draw(counts)).astype(np.float64).ravel()
   sd = 2.0**-7 * np.sqrt(0.25 * 0.75 / 4096)
   assert abs(got.mean() - float(x)) <= 5 * sd
   assert set(got.tolist()) == {1.0, 1.0 + 2.0**-7}
@@ -104,10 +112,12 @@ def test_rounding_never_leaves_the_two_neighbours(dtype):
   low = -13 if dtype == jnp.float16 else -100
   x = (rng.uniform(1, 2, 20000) * 2.0 ** rng.integers(low, top, 20000))
   x = (x * rng.choice([-1, 1], x.shape)).astype(np.float32)
-  bits = random_bits(step_key(5, 0, jnp.int32(0)), 0, x.shape)
-  got = np.asarray(stochastic_cast(x, dtype, bits).astype(jnp.float32))
+  got = np.asarray(_round(5, x, dtype)).astype(np.float32)
   lo, hi = _neighbours(x, np.float16 if dtype == jnp.float16 else BF16)
   assert np.all((got == lo) | (got == hi))
+
+
+_cast = jax.jit(stochastic_cast, static_argnums=1)  # one program, not some 30 eager ops
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -116,11 +126,12 @@ def test_representable_values_are_exact(dtype):
   every = np.arange(2**16, dtype=np.uint16).view(BF16 if dtype == jnp.bfloat16 else np.float16)
   keep = ~np.isnan(every.astype(np.float32))
   every = every[keep]
-  bits = jnp.full(every.shape, 2**32 - 1, jnp.uint32)  # the bits most likely to round up
-  got = stochastic_cast(every.astype(np.float32), dtype, bits)
-  np.testing.assert_array_equal(_bits(got), every.view(np.uint16))
-  nan = stochastic_cast(jnp.asarray([jnp.nan, -jnp.nan]), dtype, bits[:2])
-  assert np.all(np.isnan(np.asarray(nan.astype(jnp.float32))))
+  # the two NaNs ride in the same call (one program): each element is cast on its own
+  x = np.concatenate([every.astype(np.float32), np.float32([np.nan, -np.nan])])
+  bits = np.full(x.shape, 2**32 - 1, np.uint32)  # the bits most likely to round up
+  got = np.asarray(_cast(x, dtype, bits))
+  np.testing.assert_array_equal(_bits(got[:-2]), every.view(np.uint16))
+  assert np.all(np.isnan(got[-2:].astype(np.float32)))
 
 
 def test_float32_target_is_a_plain_cast():
@@ -144,18 +155,22 @@ def test_apply_updates_gives_the_rounded_value_bit_for_bit():
       -2 * p32,  # sign flip
       np.zeros(n),
   ]
-  key = step_key(9, 0, jnp.int32(0))
+
+  @jax.jit
+  def apply(p, x):  # one program for the five kinds (eagerly, some 30 small compiles)
+    new_p = _round(9, x, jnp.bfloat16)
+    new_p = jnp.where(new_p == 0, jnp.zeros_like(new_p), new_p)  # as applied_update does
+    d = applied_update(p, new_p)
+    return new_p, d, optax.apply_updates(p, d)
+
   for u in kinds:
     u = u.astype(np.float32)
     x = p32 + u
-    new_p = stochastic_cast(x, jnp.bfloat16, random_bits(key, 0, x.shape))
-    new_p = jnp.where(new_p == 0, jnp.zeros_like(new_p), new_p)  # as applied_update does
-    d = applied_update(jnp.asarray(p), new_p)
+    new_p, d, got = apply(p, x)
     assert d.dtype == jnp.float32
-    got = optax.apply_updates(jnp.asarray(p), d)
     assert got.dtype == jnp.bfloat16
-    same = new_p != jnp.asarray(p)  # unchanged values keep their bits, -0.0 included
-    want = np.where(np.asarray(same), _bits(new_p), p.view(np.uint16))
+    same = np.asarray(new_p) != p  # unchanged values keep their bits, -0.0 included
+    want = np.where(same, _bits(new_p), p.view(np.uint16))
     np.testing.assert_array_equal(_bits(got), want)
 
 
@@ -213,11 +228,17 @@ def test_adam_with_float32_state_matches_optax():
   assert s[0].mu.dtype == jnp.float32 and int(s[0].count) == 30
 
 
+@functools.cache
+def _optax_adamw_run():
+  """optax's float32 AdamW on the quadratic: the same run for both parametrizations."""
+  return np.asarray(jax.jit(lambda: _quadratic_run(optax.adamw(1e-2), jnp.float32))()[0])
+
+
 @pytest.mark.parametrize("stochastic", [True, False])
 def test_adamw_in_bfloat16_tracks_float32(stochastic):
   tx = optax.chain(adamw(1e-2, stochastic_moments=stochastic), stochastic_round(0))
   ours, s = jax.jit(lambda: _quadratic_run(tx, jnp.bfloat16))()
-  theirs, _ = jax.jit(lambda: _quadratic_run(optax.adamw(1e-2), jnp.float32))()
+  theirs = _optax_adamw_run()
   assert ours.dtype == jnp.bfloat16
   assert s[0][0].mu.dtype == jnp.bfloat16 and s[0][0].nu.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(ours, np.float32), theirs, atol=0.02)
@@ -290,7 +311,9 @@ def _batch(i, bad=False):
   return x.at[0, 0].set(jnp.nan) if bad else x
 
 
+@functools.cache
 def _tx(rounding):
+  """One optimizer per rounding: TrainState's tx is static under jit, a new one recompiles."""
   return low_precision_optimizer(jmp_scaler.get_policy("p=bf16,c=bf16,o=f32"), 1e-2,
                                  rounding=rounding, weight_decay=0.01)
 
@@ -333,19 +356,19 @@ def test_train_state_skip_is_exact_and_resume_is_bit_identical(rounding):
 
 def test_seed_changes_the_run_and_a_rerun_is_identical():
   @jax.jit
-  def run(seed_bits):
+  def run(seed_bits, xs):  # the batches come in as arguments: no PRNG in the program
     p = _params()
     outs = []
     for seed in (1, 1, 2):  # static seeds: a rerun, and another seed
       tx = optax.chain(optax.sgd(3e-3), stochastic_round(seed))
       q, s = p, tx.init(p)
       for i in range(3):
-        u, s = tx.update(jax.grad(_loss)(q, _batch(i) + seed_bits), s, q)
+        u, s = tx.update(jax.grad(_loss)(q, xs[i] + seed_bits), s, q)
         q = optax.apply_updates(q, u)
       outs.append(q)
     return outs
 
-  a, b, c = run(jnp.float32(0))
+  a, b, c = run(jnp.float32(0), [_batch(i) for i in range(3)])
   assert _leaves_bits(a) == _leaves_bits(b)
   assert _leaves_bits(a) != _leaves_bits(c)
 
