@@ -5,7 +5,9 @@ A test that reads a subprocess's output is marked ``@pytest.mark.runs("name", ..
 starts every run a selected test names, the costliest first, two at a time
 (the CI machine has two cores), so they work in the background while the
 in-process tests run, and a run that two test files read runs once. With
-``-m "not slow"`` none starts.
+``-m "not slow"`` none starts. The runs of a group (``GROUPS``) share one process
+(``tests/_runner.py`` runs them one after another, each as ``python`` would): jax, flax and
+optax are imported once per group, not once per run.
 
 Every run inherits the suite's XLA_FLAGS (``tests/conftest.py``: fast compiles, the
 same HLO and arithmetic); a run's own flags are appended.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -54,6 +57,11 @@ class Run:
   xla_flags: str = ""  #: appended to the suite's XLA_FLAGS
 
 
+# The workers and the example set it themselves before importing jax, as they must when run
+# alone; in one process (GROUPS) the first import is the one that counts.
+EIGHT = "--xla_force_host_platform_device_count=8"
+
+
 def _bench(script: str, *args: str, cost: float) -> Run:
   return Run((PY, f"benchmarks/{script}", *args), cost)
 
@@ -74,12 +82,12 @@ RUNS: dict[str, Run] = {
     "docs": Run((PY, "-c", DOCS, "docs/migration.md", "docs/diagnostics.md"), 15),
     # several devices in one process (tests/test_multidevice.py, test_scaler.py, test_fp8_*,
     # test_autocast_multidevice.py, test_low_precision.py)
-    "md_worker": Run((PY, "tests/md_worker.py"), 19),
-    "md_fp8_worker": Run((PY, "tests/md_fp8_worker.py"), 8),
-    "md_autocast_worker": Run((PY, "tests/md_autocast_worker.py"), 14),
-    "lp_worker": Run((PY, "tests/lp_worker.py"), 16),
-    "data_parallel": Run((PY, "examples/data_parallel.py", "--devices", "4", "--steps", "3",
-                          "--bad-step", "1", "--fsdp"), 6),
+    "md_worker": Run((PY, "tests/md_worker.py"), 19, EIGHT),
+    "md_fp8_worker": Run((PY, "tests/md_fp8_worker.py"), 8, EIGHT),
+    "md_autocast_worker": Run((PY, "tests/md_autocast_worker.py"), 14, EIGHT),
+    "lp_worker": Run((PY, "tests/lp_worker.py"), 16, EIGHT),
+    "data_parallel": Run((PY, "examples/data_parallel.py", "--devices", "8", "--steps", "3",
+                          "--bad-step", "1", "--fsdp"), 6, EIGHT),
     # the benchmarks' smoke runs
     "bench_bf16": _bench("bench_bf16.py", "--quick", cost=63),
     "bench_sweep": _bench("bench_sweep.py", "--quick", "--models", "mlp8,gpt", cost=39),
@@ -93,8 +101,38 @@ RUNS: dict[str, Run] = {
 }
 
 
+# Runs that share one process (tests/_runner.py runs them one after another, in this order):
+# one import of jax, flax and optax (about 4 CPU seconds) instead of one per run. A run in
+# no group has a process of its own. The runs of a group have the same XLA flags (they are
+# set before jax is imported); the run without matplotlib goes before the one with it.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "examples": ("digits_no_mpl", "digits", "debugging", "underflow", "clipping",
+                 "checkpoint_resume", "accumulation", "docs"),
+    "devices8": ("md_worker", "md_autocast_worker", "lp_worker", "md_fp8_worker",
+                 "data_parallel"),
+    "benchmarks": ("bench_bf16", "bench_sweep", "bench_autocast_gpt", "bench_cpu", "bench_gpu",
+                   "bench_policy", "bench_sweep_codegen"),
+}
+
+
+def _check_groups():
+  seen: dict[str, str] = {}
+  for group, members in GROUPS.items():
+    for name in members:
+      if name not in RUNS or name in seen:
+        raise ValueError(f"GROUPS[{group!r}] names {name!r}: unknown, or in {seen.get(name)!r}")
+      seen[name] = group
+    flags = {RUNS[n].xla_flags for n in members}
+    if len(flags) > 1:
+      raise ValueError(f"GROUPS[{group!r}] mixes XLA flags {sorted(flags)}")
+
+
+_check_groups()
+
+
 class _Pool:
-  """The runs of one session: futures by name, each run in a directory of its own."""
+  """The runs of one session: a future per run (shared by a group's runs), each run in a
+  directory of its own."""
 
   def __init__(self):
     self.futures: dict[str, concurrent.futures.Future] = {}
@@ -109,17 +147,43 @@ class _Pool:
       return
     self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="jmp_scaler_runs_"))
     self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    for name in sorted(names, key=lambda n: -RUNS[n].cost):
-      self.futures[name] = self.executor.submit(self._run, name)
+    jobs = [[n for n in members if n in names] for members in GROUPS.values()]
+    grouped = {n for members in jobs for n in members}
+    jobs = [m for m in jobs if m] + [[n] for n in sorted(names) if n not in grouped]
+    for members in sorted(jobs, key=lambda m: -sum(RUNS[n].cost for n in m)):
+      future = self.executor.submit(self._run, members)
+      for name in members:
+        self.futures[name] = future
 
-  def _run(self, name: str) -> subprocess.CompletedProcess:
-    run, where = RUNS[name], self.dir(name)
-    where.mkdir()
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {run.xla_flags}".strip()
+  def _run(self, names: list[str]) -> dict[str, subprocess.CompletedProcess]:
+    """Runs ``names`` in one process (tests/_runner.py); each one's result by name."""
+    assert self.tmp is not None
+    spec = []
+    for name in names:
+      self.dir(name).mkdir()
+      argv = [a.replace("{dir}", str(self.dir(name))) for a in RUNS[name].argv]
+      assert argv[0] == PY, argv
+      spec.append({"argv": argv[1:], "out": str(self.tmp / ".out" / name)})
+    spec_file = self.tmp / f".spec-{names[0]}.json"
+    spec_file.write_text(json.dumps(spec))
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {RUNS[names[0]].xla_flags}".strip()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120", "XLA_FLAGS": flags}
-    argv = [a.replace("{dir}", str(where)) for a in run.argv]
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    proc = subprocess.run([PY, str(ROOT / "tests" / "_runner.py"), str(spec_file)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    results = {}
+    for name, entry in zip(names, spec, strict=True):
+      out = pathlib.Path(entry["out"])
+      read = lambda f, out=out: (out / f).read_text() if (out / f).exists() else ""  # noqa: E731
+      code = read("returncode")
+      if code:  # the run finished, well or not
+        results[name] = subprocess.CompletedProcess(entry["argv"], int(code), read("stdout"),
+                                                    read("stderr"))
+      else:  # the process died before or during it
+        results[name] = subprocess.CompletedProcess(
+            entry["argv"], proc.returncode or -1, read("stdout"),
+            f"{read('stderr')}\n-- the process running {names} ended with status "
+            f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return results
 
   def dir(self, name: str) -> pathlib.Path:
     assert self.tmp is not None
@@ -141,7 +205,7 @@ def output(name: str) -> str:
   """The standard output of run ``name``, once it has succeeded (its output tails if not)."""
   if name not in POOL.futures:
     raise AssertionError(f"run {name!r} was not started: mark the test @pytest.mark.runs({name!r})")
-  proc = POOL.futures[name].result()
+  proc = POOL.futures[name].result()[name]
   assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
   return proc.stdout
 

@@ -190,6 +190,6 @@ def test_example_runs():
   out = output("data_parallel")
   lines = out.splitlines()
   assert "skipped=True" in lines[1] and "skipped=False" in lines[2]
-  assert "devices: 4  applied updates: 2  total skips: 1" in out
+  assert "devices: 8  applied updates: 2  total skips: 1" in out
   assert "scale replicated: True" in out
   assert "Adam mu['w1'] sharding: P('data',)" in out
