@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -130,14 +131,30 @@ def _check_groups():
 _check_groups()
 
 
+RUNS_DIR = "JMP_SCALER_RUNS_DIR"  # the session's runs directory, for pytest-xdist's workers
+
+
 class _Pool:
-  """The runs of one session: a future per run (shared by a group's runs), each run in a
-  directory of its own."""
+  """The runs of one session, each in a directory of its own, their results in files.
+
+  The session's first process makes the directory (:meth:`open`, from ``pytest_configure``);
+  every process that collects tests (the session itself, or each pytest-xdist worker) calls
+  :meth:`start`, which runs the groups no other process has claimed (an ``O_EXCL`` file per
+  group) and :meth:`stop` waits for them. Any process reads any run's result
+  (:func:`output`): the files ``.out/NAME/{returncode,stdout,stderr}``, ``returncode``
+  written last.
+  """
 
   def __init__(self):
-    self.futures: dict[str, concurrent.futures.Future] = {}
     self.tmp: pathlib.Path | None = None
+    self.owner = False
+    self.started: set[str] = set()
     self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+  def open(self):
+    self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="jmp_scaler_runs_"))
+    self.owner = True
+    os.environ[RUNS_DIR] = str(self.tmp)
 
   def start(self, names):
     unknown = sorted(set(names) - set(RUNS))
@@ -145,56 +162,80 @@ class _Pool:
       raise ValueError(f"@pytest.mark.runs names unknown runs {unknown}; known: {sorted(RUNS)}")
     if not names:
       return
-    self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="jmp_scaler_runs_"))
-    self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    if self.tmp is None:
+      self.tmp = pathlib.Path(os.environ[RUNS_DIR])
+    self.started = set(names)
     jobs = [[n for n in members if n in names] for members in GROUPS.values()]
     grouped = {n for members in jobs for n in members}
     jobs = [m for m in jobs if m] + [[n] for n in sorted(names) if n not in grouped]
     for members in sorted(jobs, key=lambda m: -sum(RUNS[n].cost for n in m)):
-      future = self.executor.submit(self._run, members)
-      for name in members:
-        self.futures[name] = future
+      try:  # claimed by this process, or already by another one
+        os.close(os.open(self.tmp / f".claim-{'+'.join(members)}", os.O_CREAT | os.O_EXCL))
+      except FileExistsError:
+        continue
+      if self.executor is None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+      self.executor.submit(self._run, members)
 
-  def _run(self, names: list[str]) -> dict[str, subprocess.CompletedProcess]:
-    """Runs ``names`` in one process (tests/_runner.py); each one's result by name."""
+  def _out(self, name: str) -> pathlib.Path:
     assert self.tmp is not None
+    return self.tmp / ".out" / name
+
+  def _run(self, names: list[str]):
+    """Runs ``names`` in one process (tests/_runner.py), which writes each one's result; a
+    run it did not finish gets the process's status and output as its result."""
     spec = []
     for name in names:
       self.dir(name).mkdir()
       argv = [a.replace("{dir}", str(self.dir(name))) for a in RUNS[name].argv]
       assert argv[0] == PY, argv
-      spec.append({"argv": argv[1:], "out": str(self.tmp / ".out" / name)})
+      spec.append({"argv": argv[1:], "out": str(self._out(name))})
     spec_file = self.tmp / f".spec-{names[0]}.json"
     spec_file.write_text(json.dumps(spec))
     flags = f"{os.environ.get('XLA_FLAGS', '')} {RUNS[names[0]].xla_flags}".strip()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120", "XLA_FLAGS": flags}
-    proc = subprocess.run([PY, str(ROOT / "tests" / "_runner.py"), str(spec_file)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    results = {}
-    for name, entry in zip(names, spec, strict=True):
-      out = pathlib.Path(entry["out"])
-      read = lambda f, out=out: (out / f).read_text() if (out / f).exists() else ""  # noqa: E731
-      code = read("returncode")
-      if code:  # the run finished, well or not
-        results[name] = subprocess.CompletedProcess(entry["argv"], int(code), read("stdout"),
-                                                    read("stderr"))
-      else:  # the process died before or during it
-        results[name] = subprocess.CompletedProcess(
-            entry["argv"], proc.returncode or -1, read("stdout"),
-            f"{read('stderr')}\n-- the process running {names} ended with status "
-            f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return results
+    try:
+      proc = subprocess.run([PY, str(ROOT / "tests" / "_runner.py"), str(spec_file)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+      why = f"ended with status {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    except BaseException as exc:  # noqa: BLE001 - a timeout, say: every waiting test sees it
+      why = f"failed: {exc!r}"
+    for name in names:
+      out = self._out(name)
+      if not (out / "returncode").exists():  # the process died before or during it
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "stderr", "a") as f:
+          f.write(f"\n-- the process running {names} {why}")
+        (out / "returncode").write_text("-1")
+
+  def result(self, name: str) -> subprocess.CompletedProcess:
+    """Run ``name``'s result, once it is there (whichever process runs it)."""
+    if name not in self.started:
+      raise AssertionError(
+          f"run {name!r} was not started: mark the test @pytest.mark.runs({name!r})")
+    out = self._out(name)
+    deadline = time.monotonic() + TIMEOUT * len(GROUPS) + 60
+    while not (out / "returncode").exists():
+      if time.monotonic() > deadline:
+        raise AssertionError(f"run {name!r} has no result after {TIMEOUT * len(GROUPS)} s")
+      time.sleep(0.2)
+    code = int((out / "returncode").read_text())
+    return subprocess.CompletedProcess(RUNS[name].argv, code, (out / "stdout").read_text(),
+                                       (out / "stderr").read_text())
 
   def dir(self, name: str) -> pathlib.Path:
     assert self.tmp is not None
     return self.tmp / name
 
   def stop(self):
+    """Waits for the runs this process started. Alone, it first drops those not begun (the
+    session is over: ``-x``, say); a pytest-xdist worker runs them all, for the others."""
     if self.executor is not None:
-      for f in self.futures.values():
-        f.cancel()
-      self.executor.shutdown(wait=True)
-    if self.tmp is not None:
+      alone = "PYTEST_XDIST_WORKER" not in os.environ
+      self.executor.shutdown(wait=True, cancel_futures=alone)
+
+  def close(self):
+    if self.owner and self.tmp is not None:
       shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -203,9 +244,7 @@ POOL = _Pool()
 
 def output(name: str) -> str:
   """The standard output of run ``name``, once it has succeeded (its output tails if not)."""
-  if name not in POOL.futures:
-    raise AssertionError(f"run {name!r} was not started: mark the test @pytest.mark.runs({name!r})")
-  proc = POOL.futures[name].result()[name]
+  proc = POOL.result(name)
   assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
   return proc.stdout
 
@@ -213,4 +252,3 @@ def output(name: str) -> str:
 def run_dir(name: str) -> pathlib.Path:
   """The directory run ``name`` wrote to (``{dir}`` in its command)."""
   return POOL.dir(name)
-

@@ -20,7 +20,8 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
                 "--xla_cpu_use_fusion_emitters=false")
 if "jax" in sys.modules:
   raise RuntimeError("jax was imported before tests/conftest.py could set XLA_FLAGS")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist's workers inherit them
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 # Hypothesis profiles. "ci" (selected when CI is set, as CI runs with CI=true): the
 # examples derive from each test's source, so a CI failure replays on any machine,
@@ -47,8 +48,25 @@ def pytest_collection_modifyitems(config, items):
   items[:] = [i for i, w in pairs if not w] + [i for i, w in pairs if w]
 
 
+def pytest_configure(config):
+  """The session's directory of runs (``tests/_subprocess.py``), made once: by the session, not
+  by each of pytest-xdist's workers, which inherit it."""
+  from tests import _subprocess
+
+  if not hasattr(config, "workerinput"):
+    _subprocess.POOL.open()
+
+
+def pytest_unconfigure(config):
+  from tests import _subprocess
+
+  if not hasattr(config, "workerinput"):
+    _subprocess.POOL.close()
+
+
 def pytest_collection_finish(session):
-  """Starts every subprocess that a selected test reads (``tests/_subprocess.py``)."""
+  """Starts every subprocess that a selected test reads and no other process of the session
+  has started (``tests/_subprocess.py``)."""
   from tests import _subprocess
 
   names = set()
