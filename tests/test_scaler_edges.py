@@ -1,6 +1,7 @@
 """The scaler at its edges (issue 9): eager calls with any state leaf, the top of the
 scale range, complex gradients, partial layouts, bare use, and cond == select."""
 
+import functools
 import warnings
 
 import jax
@@ -41,29 +42,56 @@ ODD = {
 }
 
 
+# Inputs put on the device from numpy: no eager program compiles to build them.
+_PARAMS = lambda: {"w": jnp.asarray(np.ones(3, np.float32))}  # noqa: E731
+_GOOD = lambda: {"w": jnp.asarray(np.full(3, 0.5, np.float32))}  # noqa: E731
+_BAD = lambda: {"w": jnp.asarray(np.array([0.5, np.nan, 0.5], np.float32))}  # noqa: E731
+
+
+def _wrapped(wrapper, odd):
+  """The wrapper around ``chain(no_scale(), odd, sgd(1.0))``: its initial state and a
+  function taking it through a good step then a bad one (the results after each)."""
+  tx = optax.chain(no_scale(), ODD[odd](), optax.sgd(1.0))
+  params, good, bad = _PARAMS(), _GOOD(), _BAD()
+  if wrapper == "train_state":
+    step = lambda s, g: s.apply_gradients(grads=g)
+    return (TrainState.create(apply_fn=None, params=params, tx=tx),
+            lambda s: (lambda s1: (s1, step(s1, bad)))(step(s, good)))
+  t = skip_nonfinite(tx) if wrapper == "skip_nonfinite" else accumulate_gradients(tx, every_k=1)
+
+  def two(state):
+    first, state = t.update(good, state, params)
+    return first, t.update(bad, state, params)
+
+  return t.init(params), two
+
+
+@functools.cache
+def _jitted(wrapper):
+  """Every odd state leaf's two steps under one wrapper, as one jitted program."""
+  states, fns = zip(*(_wrapped(wrapper, odd) for odd in sorted(ODD)), strict=True)
+  run = jax.jit(lambda states: [fn(s) for fn, s in zip(fns, states, strict=True)])
+  return dict(zip(sorted(ODD), run(list(states)), strict=True))
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("odd", sorted(ODD))
 @pytest.mark.parametrize("wrapper", ["skip_nonfinite", "train_state", "accumulate"])
 def test_wrappers_accept_any_state_leaf(wrapper, odd, jit):
-  tx = optax.chain(no_scale(), ODD[odd](), optax.sgd(1.0))
-  params = {"w": jnp.ones(3)}
-  good, bad = {"w": jnp.full(3, 0.5)}, {"w": jnp.array([0.5, jnp.nan, 0.5])}
-  maybe_jit = jax.jit if jit else (lambda f: f)
+  if jit:
+    result = _jitted(wrapper)[odd]
+  else:
+    state, two = _wrapped(wrapper, odd)
+    result = two(state)
   if wrapper == "train_state":
-    state = TrainState.create(apply_fn=None, params=params, tx=tx)
-    step = maybe_jit(lambda s, g: s.apply_gradients(grads=g))
-    state = step(state, good)
-    assert int(state.step) == 1 and float(state.params["w"][0]) < 1.0
+    state, after = result
+    assert int(state.step) == 1 and float(np.asarray(state.params["w"])[0]) < 1.0
     kept = state.params
-    state = step(state, bad)
+    state = after
     assert int(state.step) == 1 and _bits(state.params) == _bits(kept)
     return
-  t = skip_nonfinite(tx) if wrapper == "skip_nonfinite" else accumulate_gradients(tx, every_k=1)
-  state = t.init(params)
-  step = maybe_jit(t.update)
-  updates, state = step(good, state, params)
-  assert float(updates["w"][0]) < 0.0
-  updates, state = step(bad, state, params)
+  first, (updates, state) = result
+  assert float(np.asarray(first["w"])[0]) < 0.0
   assert np.all(np.signbit(updates["w"])) and not np.any(updates["w"])
   assert int(get_scale(state)) == 1
 
@@ -84,10 +112,10 @@ def test_top_of_the_scale_range_unscales_exactly(jit):
 
 @pytest.mark.parametrize("wrapper", ["train_state", "accumulate", "bare"])
 def test_a_step_at_scale_2_to_127_applies_the_true_gradient(wrapper):
-  true = {"w": jnp.array([0.5, -0.25])}
-  params = {"w": jnp.zeros(2)}
+  true = {"w": np.array([0.5, -0.25], np.float32)}
+  params = {"w": jnp.asarray(np.zeros(2, np.float32))}
   tx = optax.chain(dynamic_scale(2.0**127, bare=True), optax.sgd(1.0))
-  scaled = jax.tree.map(lambda g: g * 2.0**127, true)
+  scaled = {"w": jnp.asarray(true["w"] * np.float32(2.0**127))}  # exact: a power of two
   if wrapper == "train_state":
     state = TrainState.create(apply_fn=None, params=params, tx=tx)
     new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, scaled).params
@@ -117,9 +145,13 @@ def test_complex_gradients_are_unscaled_and_checked():
 def test_accumulation_unscales_and_drops_complex_micro_batches():
   tx = accumulate_gradients(optax.chain(fixed_scale(4.0), optax.sgd(1.0)), every_k=2)
   params = jnp.zeros(1, jnp.complex64)
-  state = tx.init(params)
-  _, state = tx.update(jnp.array([4 + 8j], jnp.complex64), state, params)
-  updates, state = tx.update(jnp.array([complex(1, np.nan)], jnp.complex64), state, params)
+
+  @jax.jit  # both micro-batches as one program
+  def two(state):
+    _, state = tx.update(jnp.array([4 + 8j], jnp.complex64), state, params)
+    return tx.update(jnp.array([complex(1, np.nan)], jnp.complex64), state, params)
+
+  updates, state = two(tx.init(params))
   np.testing.assert_array_equal(updates, np.array([-1 - 2j], np.complex64))  # mean of one
   assert int(state.dropped) == 1
 
@@ -217,14 +249,18 @@ def test_no_bare_warning_when_intended_or_wrapped(use, monkeypatch):
 
 
 def test_plain_nnx_optimizer_warns_and_nnx_optimizer_does_not(monkeypatch):
+  # The warning is given in Python as the update is traced: one jitted program per class
+  # (building, differentiating and updating the model) instead of some fifty eager ones.
   def update(cls):
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     opt = cls(model, optax.chain(dynamic_scale(), optax.adam(1e-3)), wrt=nnx.Param)
     grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(model)
     opt.update(model, grads)
+    return nnx.state(model, nnx.Param)
 
-  assert len(_bare_warnings(lambda: update(nnx.Optimizer), monkeypatch)) == 1
-  assert not _bare_warnings(lambda: update(NNXOptimizer), monkeypatch)
+  assert len(_bare_warnings(lambda: jax.jit(update, static_argnums=0)(nnx.Optimizer),
+                            monkeypatch)) == 1
+  assert not _bare_warnings(lambda: jax.jit(update, static_argnums=0)(NNXOptimizer), monkeypatch)
 
 
 def test_bare_must_be_a_bool():
