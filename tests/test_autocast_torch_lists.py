@@ -403,13 +403,14 @@ TORCH_BUILTIN = {"bool", "float32"}  # torch's expected dtype for the builtin li
 
 
 def materialise(op, half):
-  return tuple(jnp.asarray(a.value, half) if isinstance(a, H)
-               else jnp.asarray(a.value, jnp.float32) if isinstance(a, F) else jnp.asarray(a)
+  """The op's arguments as numpy arrays (an eager jnp conversion compiles a program each)."""
+  return tuple(np.asarray(a.value, jnp.dtype(half)) if isinstance(a, H)
+               else np.asarray(a.value, np.float32) if isinstance(a, F) else np.asarray(a)
                for a in op.args)  # fmt: skip
 
 
 def widen64(args):
-  return tuple(a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  return tuple(np.asarray(a, np.float64) if np.issubdtype(a.dtype, np.floating) else a
                for a in args)  # fmt: skip
 
 
@@ -541,7 +542,7 @@ SAFE_IN_FLOAT16 = {"layer_norm (flax)", "group_norm (flax)", "cosine_similarity 
 def overflow_results():
   """{name: (under autocast, in plain float16, float64 reference)}: one program each."""
   names = list(OVERFLOWS)
-  xs = [jnp.asarray(OVERFLOWS[n][1]) for n in names]
+  xs = [np.asarray(OVERFLOWS[n][1]) for n in names]
   policy = POLICIES["float16"]
   fns = [OVERFLOWS[n][0] for n in names]
   auto, plain = jax.jit(lambda xs: (
