@@ -7,10 +7,12 @@ ops copied into every kernel that reads the decision (which made select mode's
 compile time grow with the square of the leaf count).
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -107,10 +109,16 @@ def test_select_mode_updates_the_moments_in_place(n):
   assert select <= cond + leaf_bytes, (select, cond)
 
 
+@functools.cache
 def _dense_step(mode):
-  """A jitted float16 linear layer's TrainState step: the kernel's gradient is a transpose."""
+  """A float16 linear layer's TrainState step, compiled with the state donated (the
+  kernel's gradient is a transpose), and a maker of fresh states for it. Cached: both
+  tests below run the one compiled program (the tx is static in the state)."""
   tx = optax.chain(dynamic_scale(init_scale=16.0, skip_mode=mode), optax.adam(1e-3))
-  params = {"w": jnp.full((256, 128), 0.01, jnp.float32)}
+
+  def fresh():
+    params = {"w": jnp.asarray(np.full((256, 128), 0.01, np.float32))}
+    return TrainState.create(apply_fn=None, params=params, tx=tx)
 
   def step(state, x):
     def loss(p):
@@ -119,7 +127,8 @@ def _dense_step(mode):
 
     return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-  return step, TrainState.create(apply_fn=None, params=params, tx=tx)
+  x = jnp.asarray(np.ones((32, 256), np.float32))
+  return jax.jit(step, donate_argnums=0).lower(fresh(), x).compile(), fresh
 
 
 @pytest.mark.parametrize("mode", ["cond", "select"])
@@ -129,22 +138,23 @@ def test_a_kernel_gradient_is_transposed_once(mode):
   # predicate into the logical order, and a conditional copied every such operand back
   # inside its branch (x1.5-1.9 per step from 64 leaves). Laid out row-major once, by
   # the kernel that makes it, every reader reads it in order.
-  step, state = _dense_step(mode)
-  x = jnp.ones((32, 256), jnp.float32)
-  text = jax.jit(step, donate_argnums=0).lower(state, x).compile().as_text()
+  compiled, _ = _dense_step(mode)
+  text = compiled.as_text()
   transposes = re.findall(r"(?:pred|f32)\[(?:256,128|128,256)\]\{[01],[01]\} transpose\(", text)
   assert len(transposes) == 1, transposes
 
 
 @pytest.mark.parametrize("mode", ["cond", "select"])
 def test_an_inf_in_one_element_of_a_transposed_gradient_skips_the_step(mode):
-  step, state = _dense_step(mode)
-  x = jnp.ones((32, 256), jnp.float32).at[3, 7].set(jnp.inf)  # row 7 of w's gradient
-  after = jax.jit(step)(state, x)
+  step, fresh = _dense_step(mode)
+  state = jax.device_get(fresh())  # host copies to compare with: the step donates its input
+  x = np.ones((32, 256), np.float32)
+  x[3, 7] = np.inf  # row 7 of w's gradient
+  after = step(fresh(), jnp.asarray(x))
   assert int(after.step) == 0 and float(after.loss_scale) < float(state.loss_scale)
-  assert jnp.array_equal(after.params["w"], state.params["w"])
-  after = jax.jit(step)(state, jnp.ones((32, 256), jnp.float32))
-  assert int(after.step) == 1 and not jnp.array_equal(after.params["w"], state.params["w"])
+  assert np.array_equal(after.params["w"], state.params["w"])
+  after = step(fresh(), jnp.asarray(np.ones((32, 256), np.float32)))
+  assert int(after.step) == 1 and not np.array_equal(after.params["w"], state.params["w"])
 
 
 def test_the_chain_is_traced_once_per_step():
