@@ -19,8 +19,9 @@ OVERFLOW_AT = (1, 4, 9)  # before and after the save
 # growth_interval=2: growth at steps 3, 6, 8 and 11, backoff at 1, 4 and 9.
 SCALES = [4.0, 2.0, 2.0, 4.0, 2.0, 2.0, 4.0, 4.0, 8.0, 4.0, 4.0, 8.0]
 _RNG = np.random.default_rng(0)
-XS = jnp.asarray(_RNG.normal(size=(STEPS, 8, 4)), jnp.float32)
-BAD = jnp.asarray([i in OVERFLOW_AT for i in range(STEPS)])
+# numpy: XS[i] and BAD[i] are host slices, not an eager program per index.
+XS = _RNG.normal(size=(STEPS, 8, 4)).astype(np.float32)
+BAD = np.asarray([i in OVERFLOW_AT for i in range(STEPS)])
 
 
 def make_tx(**kw):
@@ -380,16 +381,24 @@ def test_keep_the_last_n_with_a_checkpoint_manager(tmp_path):
     jmp_scaler.check_restored(corrupted, fresh_state())
 
 
+def _policy_state(spec):
+  return fresh_state(optax.chain(jmp_scaler.get_policy(spec).loss_scaler(), optax.adam(1e-2)))
+
+
+@functools.cache
+def _float16_saved():
+  """The float16 policy's state after one step of ones, taken by one jitted program
+  (eagerly some hundred small compiles), shared by the target policies below."""
+  step = lambda s: s.apply_gradients(grads=jax.tree.map(jnp.ones_like, s.params))  # noqa: E731
+  return jax.jit(step, compiler_options=FAST)(_policy_state("p=f32,c=f16,o=f32"))
+
+
 @pytest.mark.parametrize("spec", ["p=f32,c=bf16,o=f32", "f32"])
 def test_a_float16_run_resumes_under_another_policy(spec, tmp_path):
   """Every policy's loss_scaler holds a scaler: one layout, a one-argument restore."""
-  fp16 = jmp_scaler.get_policy("p=f32,c=f16,o=f32")
-  build = lambda p: fresh_state(optax.chain(p.loss_scaler(), optax.adam(1e-2)))  # noqa: E731
-  saved = build(fp16)
-  grads = jax.tree.map(jnp.ones_like, saved.params)
-  saved = saved.apply_gradients(grads=grads)
+  saved = _float16_saved()
   jmp_scaler.save_checkpoint(tmp_path / "c", saved)
-  target = build(jmp_scaler.get_policy(spec))
+  target = _policy_state(spec)
   with pytest.raises(ValueError, match="on_config_mismatch"):
     jmp_scaler.restore_checkpoint(tmp_path / "c", target)
   resumed = jmp_scaler.restore_checkpoint(tmp_path / "c", target, on_config_mismatch="target")
