@@ -133,16 +133,17 @@ def test_raw_mlp_dots_in_float16_and_exp_log_reductions_in_float32():
   grad = jax.grad(loss_of(f))
   assert in_dtypes(grad, MLP_PARAMS, X)["dot_general"] == {"float16"}
   assert hlo_dtypes(grad, MLP_PARAMS, X)["dot_general"] == {"f16"}
-  assert f(MLP_PARAMS, X).dtype == F32_DT  # output dtype of the policy
-  assert {g.dtype for g in grad(MLP_PARAMS, X)} == {F32_DT}  # master weights' dtype
+  out, grads = fast_jit(lambda p, x: (f(p, x), grad(p, x)))(MLP_PARAMS, X)  # one program
+  assert out.dtype == F32_DT  # output dtype of the policy
+  assert {g.dtype for g in grads} == {F32_DT}  # master weights' dtype
   # The untransformed function has no float16 anywhere.
   assert in_dtypes(mlp, MLP_PARAMS, X)["dot_general"] == {"float32"}
 
 
 def test_grad_equals_the_hand_annotated_mixed_precision_grad():
-  auto = jax.jit(jax.value_and_grad(loss_of(autocast(mlp, F16))))(MLP_PARAMS, X)
-  hand = jax.jit(jax.value_and_grad(loss_of(mlp_hand)))(MLP_PARAMS, X)
-  full = jax.jit(jax.value_and_grad(loss_of(mlp)))(MLP_PARAMS, X)
+  vg = lambda fn: jax.value_and_grad(loss_of(fn))
+  auto, hand, full = fast_jit(lambda p, x: (vg(autocast(mlp, F16))(p, x), vg(mlp_hand)(p, x),
+                                            vg(mlp)(p, x)))(MLP_PARAMS, X)  # one program
   for a, h, f in zip(
     jax.tree.leaves(auto), jax.tree.leaves(hand), jax.tree.leaves(full), strict=True
   ):
@@ -150,9 +151,15 @@ def test_grad_equals_the_hand_annotated_mixed_precision_grad():
     assert not np.allclose(a, f, rtol=1e-6, atol=1e-7)  # float16 really was used
 
 
+@functools.cache
+def _cnn_variables():
+  """CNN().init(key(0), IMAGES) as one program (eagerly, one compile per op)."""
+  return fast_jit(lambda: CNN().init(jax.random.key(0), IMAGES, train=False))()
+
+
 def test_linen_cnn_with_batchnorm_through_model_apply():
   model = CNN()
-  variables = fast_jit(lambda: model.init(jax.random.key(0), IMAGES, train=False))()
+  variables = _cnn_variables()
   apply = autocast(model.apply, F16)
   fwd = lambda v, x: apply(v, x, train=True, mutable=["batch_stats"])
   got = in_dtypes(fwd, variables, IMAGES)
@@ -196,9 +203,9 @@ def test_scan_with_remat_body():
   assert "scan" in names and ("remat2" in names or "checkpoint" in names)
   assert in_dtypes(f, w, X)["dot_general"] == {"float16"}
   assert in_dtypes(f, w, X)["exp"] == {"float32"}
-  g = jax.grad(f)(w, X)
+  g, ref = fast_jit(lambda w, x: (jax.grad(f)(w, x), jax.grad(rnn)(w, x)))(w, X)
   assert g.dtype == F32_DT
-  np.testing.assert_allclose(g, jax.grad(rnn)(w, X), rtol=5e-2, atol=5e-2)
+  np.testing.assert_allclose(g, ref, rtol=5e-2, atol=5e-2)
   assert in_dtypes(jax.grad(f), w, X)["dot_general"] == {"float16"}
 
 
@@ -218,14 +225,15 @@ def test_custom_vjp_and_custom_jvp_keep_their_derivative_rules():
   w = MLP_PARAMS[0]
   names = [e.primitive.name for e in eqns(jax.make_jaxpr(autocast(f, F16))(w, X))]
   assert "custom_vjp_call" in names and "custom_jvp_call" in names
-  g = jax.grad(autocast(f, F16), argnums=1)(w, X)
-  ref = jax.grad(f, argnums=1)(w, X)
+  relu0 = jax.grad(autocast(lambda x: jax.nn.relu(x @ jnp.zeros((1, 1))).sum(), F16))
+  g, ref, at0 = fast_jit(lambda w, x: (  # one program
+      jax.grad(autocast(f, F16), argnums=1)(w, x), jax.grad(f, argnums=1)(w, x),
+      relu0(jnp.ones((1, 1)))))(w, X)  # fmt: skip
   # Clipped in the backward: |d/dh| <= 0.01, so |d/dx| <= 0.01 * sum |w|.
   assert np.all(np.abs(g) <= 0.01 * np.abs(w).sum(1) * 1.01)
   np.testing.assert_allclose(g, ref, rtol=2e-2, atol=2e-3)
   # relu's own rule: derivative 0 at 0, as jax.nn.relu defines it.
-  relu0 = jax.grad(autocast(lambda x: jax.nn.relu(x @ jnp.zeros((1, 1))).sum(), F16))
-  assert float(relu0(jnp.ones((1, 1)))[0, 0]) == 0.0
+  assert float(at0[0, 0]) == 0.0
 
 
 def test_while_cond_vmap_and_closed_over_constants():
@@ -238,11 +246,18 @@ def test_while_cond_vmap_and_closed_over_constants():
   g = autocast(f, F16)
   got = in_dtypes(g, X, jnp.int32(3))
   assert got["dot_general"] == {"float16"} and got["exp"] == {"float32"}
-  np.testing.assert_allclose(g(X, jnp.int32(3)), f(X, jnp.int32(3)), rtol=2e-2, atol=2e-2)
-  batched = jax.vmap(g, in_axes=(0, None))(X[:, None], jnp.int32(2))  # one cond per row
-  for i in (0, 1, 5):
-    np.testing.assert_allclose(batched[i], g(X[i : i + 1], jnp.int32(2)), rtol=1e-3, atol=1e-3)
-  assert jax.jit(g)(X, jnp.int32(3)).dtype == F32_DT
+  rows = (0, 1, 5)
+
+  @fast_jit  # every case in one program (eagerly, a dozen compiles)
+  def run(x, n3, n2):
+    batched = jax.vmap(g, in_axes=(0, None))(x[:, None], n2)  # one cond per row
+    return g(x, n3), f(x, n3), batched, [g(x[i : i + 1], n2) for i in rows]
+
+  auto, plain, batched, each = run(X, jnp.int32(3), jnp.int32(2))
+  np.testing.assert_allclose(auto, plain, rtol=2e-2, atol=2e-2)
+  for i, one in zip(rows, each, strict=True):
+    np.testing.assert_allclose(batched[i], one, rtol=1e-3, atol=1e-3)
+  assert auto.dtype == F32_DT  # g under jax.jit
 
 
 def test_shard_map_inside_and_outside():
@@ -253,7 +268,8 @@ def test_shard_map_inside_and_outside():
   w = MLP_PARAMS[0]
   got = in_dtypes(autocast(sm, F16), w, x)
   assert got["dot_general"] == {"float16"} and got["exp"] == {"float32"}
-  np.testing.assert_allclose(autocast(sm, F16)(w, x), sm(w, x), rtol=2e-2)
+  np.testing.assert_allclose(*fast_jit(lambda w, x: (autocast(sm, F16)(w, x), sm(w, x)))(w, x),
+                             rtol=2e-2)  # fmt: skip
   outer = jax.shard_map(autocast(body, F16), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
   assert in_dtypes(outer, w, x)["dot_general"] == {"float16"}
 
@@ -440,7 +456,7 @@ def test_decorator_forms_static_leaves_and_one_trace_per_signature():
 def test_the_jit_boundary_holds():
   """Traced outside any context, after the definition: still float16."""
   model = CNN()
-  variables = model.init(jax.random.key(0), IMAGES, train=False)
+  variables = _cnn_variables()
   step = jax.jit(autocast(functools.partial(model.apply, train=False), F16))
   # No context manager anywhere; the first call (the trace) happens here.
   hlo = hlo_dtypes(step, variables, IMAGES)
@@ -458,19 +474,17 @@ def _digits():
 
   x, y = load_digits(return_X_y=True)
   perm = np.random.default_rng(0).permutation(len(y))
-  x, y = jnp.asarray(x[perm] / 16.0, jnp.float32), jnp.asarray(y[perm], jnp.int32)
+  x, y = np.asarray(x[perm] / 16.0, np.float32), np.asarray(y[perm], np.int32)  # numpy
   return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
-def _train(forward):
+def _train(*forwards):
+  """Each forward trained from the same init on the same batches, side by side in one compiled
+  program (the 150 steps a scan): [(test accuracy, final state)] in the order given."""
   (xtr, ytr), (xte, yte) = _digits()
   sizes = [(64, 128), (128, 128), (128, 10)]
-  keys = jax.random.split(jax.random.key(1), len(sizes))
-  params = [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(keys, sizes, strict=True)]
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(3e-3))
-  state = jmp_scaler.TrainState.create(apply_fn=forward, params=params, tx=tx)
 
-  @fast_jit
   def step(state, x, y):
     scale = jmp_scaler.get_scale(state.opt_state)
 
@@ -480,11 +494,22 @@ def _train(forward):
 
     return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-  for i in range(150):
-    j = (i * 200) % 1400
-    state = step(state, xtr[j : j + 200], ytr[j : j + 200])
-  acc = float((jnp.argmax(forward(state.params, xte), -1) == yte).mean())
-  return acc, state
+  @fast_jit
+  def run(xtr, ytr, xte):
+    keys = jax.random.split(jax.random.key(1), len(sizes))
+    params = [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(keys, sizes, strict=True)]
+    states = [jmp_scaler.TrainState.create(apply_fn=f, params=params, tx=tx) for f in forwards]
+
+    def body(states, i):
+      j = (i * 200) % 1400
+      x, y = lax.dynamic_slice_in_dim(xtr, j, 200), lax.dynamic_slice_in_dim(ytr, j, 200)
+      return [step(state, x, y) for state in states], None
+
+    states, _ = lax.scan(body, states, jnp.arange(150))
+    return states, [jnp.argmax(f(s.params, xte), -1) for f, s in zip(forwards, states, strict=True)]
+
+  states, preds = run(xtr, ytr, xte)
+  return [(float((np.asarray(p) == yte).mean()), s) for p, s in zip(preds, states, strict=True)]
 
 
 def test_digits_trains_in_float16_under_autocast_to_float32_accuracy():
@@ -493,8 +518,7 @@ def test_digits_trains_in_float16_under_autocast_to_float32_accuracy():
       x = jax.nn.relu(x @ w)
     return x @ params[-1]
 
-  acc32, _ = _train(forward)
-  acc16, state = _train(autocast(forward, F16))
+  (acc32, _), (acc16, state) = _train(forward, autocast(forward, F16))
   assert acc32 > 0.93
   assert abs(acc16 - acc32) <= 0.02, (acc16, acc32)
   assert {p.dtype for p in state.params} == {F32_DT}  # float32 master weights
