@@ -255,8 +255,8 @@ def train_gpt(args, policy):
   import bench_bf16  # the model and data: plain float32 code, no dtype annotations
 
   task = bench_bf16.gpt_task(argparse.Namespace(
-      seq=args.seq, d_model=args.d_model, gpt_batch=args.gpt_batch, gpt_steps=args.gpt_steps,
-      gpt_lr=args.gpt_lr))  # fmt: skip
+      seq=args.seq, d_model=args.d_model, gpt_layers=args.gpt_layers, gpt_batch=args.gpt_batch,
+      gpt_steps=args.gpt_steps, gpt_lr=args.gpt_lr))  # fmt: skip
   xtr, ytr = jnp.asarray(task.x_train), jnp.asarray(task.y_train)
   xte, yte = jnp.asarray(task.x_test), jnp.asarray(task.y_test)
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.adam(task.lr))
@@ -300,7 +300,7 @@ def train_gpt(args, policy):
     }  # fmt: skip
   ref = rows["float32"]["loss"]
   sd = ref.std(ddof=1) if len(ref) > 1 else float("nan")
-  print(f"\nchar-GPT (d={args.d_model}, seq {args.seq}, 2 layers, 4 heads, batch "
+  print(f"\nchar-GPT (d={args.d_model}, seq {args.seq}, {args.gpt_layers} layers, 4 heads, batch "
         f"{args.gpt_batch})  {args.gpt_steps} steps at Adam lr {args.gpt_lr}  {args.seeds} seeds"
         f"  backend {jax.default_backend()}")  # fmt: skip
   print(f"{'setup':28} {'test loss':>17} {'test acc':>15} {'skipped steps':>15} "
@@ -341,14 +341,18 @@ def main(argv=None):
   parser.add_argument("--gpt-steps", type=int, default=None, help="1500 (30 with --quick)")
   parser.add_argument("--gpt-lr", type=float, default=3e-3)
   parser.add_argument("--gpt-batch", type=int, default=16)
-  parser.add_argument("--seq", type=int, default=32)
-  parser.add_argument("--d-model", type=int, default=32)
+  parser.add_argument("--seq", type=int, default=None, help="32 (16 with --quick)")
+  parser.add_argument("--d-model", type=int, default=None, help="32 (16 with --quick)")
+  parser.add_argument("--gpt-layers", type=int, default=None, help="2 (1 with --quick)")
   args = parser.parse_args(argv)
   policy = jmp_scaler.get_policy(args.policy)
   if args.quick:
     args.rounds, args.steps, args.compiles = 3, 2, 1
   if args.gpt_steps is None:
     args.gpt_steps = 30 if args.quick else 1500
+  for name, full, quick in (("seq", 32, 16), ("d_model", 32, 16), ("gpt_layers", 2, 1)):
+    if getattr(args, name) is None:
+      setattr(args, name, quick if args.quick else full)
   if args.model == "gpt":
     train_gpt(args, policy)
     return 0

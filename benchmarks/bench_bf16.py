@@ -156,7 +156,8 @@ def gpt_task(args) -> Task:
   text = _corpus()
   chars = sorted(set(text))
   ids = np.asarray([chars.index(c) for c in text], np.int32)
-  seq, d, heads, layers, vocab = args.seq, args.d_model, 4, 2, len(chars)
+  layers = getattr(args, "gpt_layers", 2)  # bench_autocast passes its own
+  seq, d, heads, vocab = args.seq, args.d_model, 4, len(chars)
   split = int(0.9 * len(ids))
 
   def windows(a, n, rng):
@@ -356,13 +357,14 @@ def main(argv=None):
   ap.add_argument("--gpt-batch", type=int, default=16)
   ap.add_argument("--seq", type=int, default=32)
   ap.add_argument("--d-model", type=int, default=32)
+  ap.add_argument("--gpt-layers", type=int, default=2)
   ap.add_argument("--tasks", default="digits,char-GPT", help="comma-separated subset")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
   args = ap.parse_args(argv)
   if args.quick:
     args.seeds, args.hidden, args.digits_steps, args.gpt_steps = 2, 32, 40, 10
-    args.seq, args.d_model, args.rounds, args.steps = 16, 16, 3, 3
+    args.seq, args.d_model, args.gpt_layers, args.rounds, args.steps = 16, 16, 1, 3, 3
   print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.device_count()} device(s); "
         f"seeds {args.seeds}")
 
