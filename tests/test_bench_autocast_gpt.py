@@ -38,7 +38,8 @@ def test_float16_autocast_trains_like_float32(rows):
 
 
 def test_fp8_matmuls_train_like_the_autocast_they_run_in(rows):
-  # 60 steps: fp8 2.693 +- 0.037, float16 2.689 +- 0.039 (paired differences 0.002-0.005).
+  # 60 steps (--quick: 1 layer, d=16, seq 16): fp8 2.914 +- 0.022, float16 2.908 +- 0.021
+  # (paired differences 0.003-0.009).
   auto, fp8, f32 = rows["autocast"], rows["fp8"], rows["float32"]
   assert 0.0 < fp8["loss"] < 4.0
   assert abs(fp8["loss"] - auto["loss"]) < max(0.05 * f32["loss"], 3 * f32["sd"])
