@@ -321,7 +321,7 @@ def test_multisteps_under_train_state_mixes_two_scales():
   batch = _batches(1)[0]
   for i in range(K + 1):  # the same micro-batch each time; the second one overflows
     state = step(state, _scaled_grads(params, batch, state.loss_scale, bad=i == 1))
-  true = jax.grad(_loss)(params, batch)
+  true = jax.jit(jax.grad(_loss))(params, batch)  # one program, not eager autodiff
   applied = jax.tree.map(lambda a, b: a - b, params, state.params)
   # One micro-batch at 2**10 and three at 2**9, divided by 2**9: (2 + 3) / 4 = 1.25x.
   chex.assert_trees_all_close(applied, jax.tree.map(lambda g: 1.25 * g, true), rtol=1e-5)
@@ -334,10 +334,11 @@ def test_multisteps_with_skip_not_finite_never_backs_off_accumulate_does():
   grad = lambda s: {"w": (true * s).astype(jnp.float16)}  # overflows when s > 2**14
 
   def run(tx):
-    state, p = tx.init(params), params
-    update = jax.jit(tx.update)
+    state, p = jax.jit(tx.init)(params), params  # one program, not MultiSteps' eager init
+    # The scaled float16 gradient is made in the same program as the update.
+    update = jax.jit(lambda s, p: tx.update(grad(jmp_scaler.get_scale(s)), s, p))
     for _ in range(4 * K):
-      updates, state = update(grad(jmp_scaler.get_scale(state)), state, p)
+      updates, state = update(state, p)
       p = optax.apply_updates(p, updates)
     return p, state
 
@@ -348,7 +349,7 @@ def test_multisteps_with_skip_not_finite_never_backs_off_accumulate_does():
   _assert_equal(p, params)
   p, state = run(jmp_scaler.accumulate_gradients(inner, K))
   assert float(jmp_scaler.get_scale(state)) == 2.0**14  # two skipped windows, then two applied
-  expected = (1.0 - 2 * 2.0**-4 * true).astype(jnp.float16)
+  expected = (1.0 - 2 * 2.0**-4 * np.asarray(true)).astype(np.float16)
   np.testing.assert_array_equal(p["w"], expected)
 
 
