@@ -43,7 +43,14 @@ def _scenario(report, name):
 def _one_device_shard_map(fn, grads, opt_state, grad_spec):
   mesh = jax.make_mesh((1,), ("d",))
   grads = jax.device_put(grads, NamedSharding(mesh, grad_spec))
-  return jax.shard_map(fn, mesh=mesh, in_specs=(grad_spec, P()), out_specs=P())(grads, opt_state)
+  # Under jit: one program (eagerly, shard_map compiles one per op); it traces all the same.
+  sm = jax.shard_map(fn, mesh=mesh, in_specs=(grad_spec, P()), out_specs=P())
+  return jax.jit(sm)(grads, opt_state)
+
+
+def _init(tx):
+  """``tx.init`` of two float32 zeros as one program (eagerly, one compile per leaf)."""
+  return jax.jit(tx.init)(np.zeros(2, np.float32))
 
 
 @pytest.mark.parametrize(
@@ -56,22 +63,22 @@ def _one_device_shard_map(fn, grads, opt_state, grad_spec):
 )
 def test_check_axis_name(axis_name, grad_spec, error):
   tx = optax.chain(jmp_scaler.dynamic_scale(axis_name=axis_name), optax.sgd(0.1))
-  opt_state = tx.init(jnp.zeros(2))
+  opt_state = _init(tx)
 
   def fn(g, s):
     jmp_scaler.check_axis_name(g, s)
     return jnp.zeros([])
 
   if error is None:
-    assert float(_one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)) == 0.0
+    assert float(_one_device_shard_map(fn, np.ones(2, np.float32), opt_state, grad_spec)) == 0.0
   else:
     with pytest.raises(ValueError, match=error):
-      _one_device_shard_map(fn, jnp.ones(2), opt_state, grad_spec)
+      _one_device_shard_map(fn, np.ones(2, np.float32), opt_state, grad_spec)
 
 
 def test_check_axis_name_outside_shard_map_and_without_scaler_checks_nothing():
   tx = optax.chain(jmp_scaler.dynamic_scale(), optax.sgd(0.1))  # axis_name=None
-  opt_state = tx.init(jnp.zeros(2))
+  opt_state = _init(tx)
 
   def fn(g, s):
     jmp_scaler.check_axis_name(g, s)
@@ -79,23 +86,24 @@ def test_check_axis_name_outside_shard_map_and_without_scaler_checks_nothing():
 
   # The control: per-device gradients inside shard_map are refused with this scaler ...
   with pytest.raises(ValueError, match="axis_name=None"):
-    _one_device_shard_map(fn, jnp.ones(2), opt_state, P("d"))
+    _one_device_shard_map(fn, np.ones(2, np.float32), opt_state, P("d"))
   # ... the same arguments outside shard_map carry no mesh axes: nothing to refuse.
-  assert jmp_scaler.check_axis_name(jnp.ones(2), opt_state) is None
+  assert jmp_scaler.check_axis_name(np.ones(2, np.float32), opt_state) is None
   # Without a scaler there is no decision to keep in step, even on per-device gradients.
-  plain = optax.sgd(0.1).init(jnp.zeros(2))
-  assert float(_one_device_shard_map(fn, jnp.ones(2), plain, P("d"))) == 0.0
+  plain = _init(optax.sgd(0.1))
+  assert float(_one_device_shard_map(fn, np.ones(2, np.float32), plain, P("d"))) == 0.0
 
 
 def test_scale_in_sync_in_process():
   tx = optax.chain(jmp_scaler.dynamic_scale(axis_name="d"), optax.sgd(0.1))
-  opt_state = tx.init(jnp.zeros(2))
+  opt_state = _init(tx)
   fn = lambda g, s: jmp_scaler.scale_in_sync(s, "d")
-  assert bool(_one_device_shard_map(fn, jnp.ones(2), opt_state, P("d")))
+  assert bool(_one_device_shard_map(fn, np.ones(2, np.float32), opt_state, P("d")))
   pmapped = jax.pmap(lambda s: jmp_scaler.scale_in_sync(s, "d"), axis_name="d")
-  assert np.asarray(pmapped(jax.tree.map(lambda a: a[None], opt_state))).tolist() == [True]
+  stacked = jax.tree.map(lambda a: np.asarray(a)[None], opt_state)  # numpy: no compile
+  assert np.asarray(pmapped(stacked)).tolist() == [True]
   no_scaler = jax.pmap(lambda s: jmp_scaler.scale_in_sync(s, "d"), axis_name="d")
-  assert np.asarray(no_scaler({"x": jnp.zeros((1,))})).tolist() == [True]
+  assert np.asarray(no_scaler({"x": np.zeros((1,), np.float32)})).tolist() == [True]
 
 
 # --------------------------------------------------------------------------
