@@ -58,8 +58,14 @@ def run_one(argv: list[str], where: pathlib.Path) -> int:
       sys.path[:] = path
       for name in [k for k, v in sys.modules.items() if v is None and k not in blocked]:
         del sys.modules[name]
-  (where / "returncode").write_text(str(status))
+  write_status(where, status)
   return status
+
+
+def write_status(where: pathlib.Path, status: int):
+  """``where/returncode``, whole or not at all (another process may be polling for it)."""
+  (where / ".returncode").write_text(str(status))
+  os.replace(where / ".returncode", where / "returncode")
 
 
 def main():

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from tests import _runner
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
 # The longest run takes about a minute alone; the margin covers a load of 10 on two cores.
@@ -206,7 +208,7 @@ class _Pool:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "stderr", "a") as f:
           f.write(f"\n-- the process running {names} {why}")
-        (out / "returncode").write_text("-1")
+        _runner.write_status(out, -1)
 
   def result(self, name: str) -> subprocess.CompletedProcess:
     """Run ``name``'s result, once it is there (whichever process runs it)."""
