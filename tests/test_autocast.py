@@ -108,11 +108,26 @@ FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes"
 SMALL = nnx.eval_shape(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))  # abstract: no compile
 
 
+@functools.cache
+def _initial():
+  """Every model's initial variables by one jitted program (one compile, not one per model):
+  ({linen class name: variables}, {NNX class name: state})."""
+
+  def init():
+    with jmp_scaler.autocast_linen(F16):  # the linen models are initialised under the policy
+      linen = {cls.__name__: cls().init(key(0), x, train=False)
+               for cls, x in ((LinenRes, IMAGES), (LinenTransformer, TOKENS))}  # fmt: skip
+    states = {make.__name__: nnx.split(make(nnx.Rngs(key(0))))[1]
+              for make in (NNXRes, NNXTransformer)}  # fmt: skip
+    return linen, states
+
+  return jax.jit(init, compiler_options=FAST)()
+
+
 def build(make):
-  """``make(rngs)`` built by one jitted program (not one compilation per op)."""
+  """A fresh ``make(rngs)`` with the variables of the one init program (arrays copied in)."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(key(0)))))
-  state = jax.jit(lambda: nnx.split(make(nnx.Rngs(key(0))))[1], compiler_options=FAST)()
-  return nnx.merge(graphdef, state)
+  return nnx.merge(graphdef, jax.tree.map(lambda a: a, _initial()[1][make.__name__]))
 
 
 def shape_of(model, fn, *args):
@@ -124,11 +139,8 @@ def shape_of(model, fn, *args):
 # ---------------------------------------------------------------- linen dtypes
 
 
-@functools.cache
 def _linen_variables(model_cls):
-  x = IMAGES if model_cls is LinenRes else TOKENS
-  with jmp_scaler.autocast_linen(F16):  # initialised under the policy
-    return jax.jit(lambda k: model_cls().init(k, x, train=False), compiler_options=FAST)(key(0))
+  return _initial()[0][model_cls.__name__]
 
 
 def _transformer_params():
