@@ -20,13 +20,11 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import json  # noqa: E402
-import traceback  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _report import play  # noqa: E402 - tests/_report.py, beside this script
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -168,13 +166,7 @@ SCENARIOS = {
 
 
 def main():
-  out = {"devices": jax.device_count()}
-  for name, fn in SCENARIOS.items():
-    try:
-      out[name] = fn()
-    except Exception:  # noqa: BLE001 - reported to the test
-      out[name] = {"error": traceback.format_exc()}
-  print(json.dumps(out))
+  play(SCENARIOS, {"devices": jax.device_count()})
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import json  # noqa: E402
 import re  # noqa: E402
-import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -31,6 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _report import play  # noqa: E402 - tests/_report.py, beside this script
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -203,13 +202,7 @@ def resnet_scenario():
 
 
 def main():
-  report = {}
-  for name, scenario in {"grad": grad_scenario, "resnet": resnet_scenario}.items():
-    try:
-      report[name] = scenario()
-    except Exception:  # reported, asserted on by the test
-      report[name] = {"error": traceback.format_exc()}
-  print(json.dumps(report))
+  play({"grad": grad_scenario, "resnet": resnet_scenario})
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import json  # noqa: E402
-import traceback  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _report import play  # noqa: E402 - tests/_report.py, beside this script
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -210,13 +208,7 @@ def main():
       "autocast_in_shard_map": lambda: autocast_in_shard_map(ref),
       "shard_map_in_autocast": lambda: shard_map_in_autocast(ref),
   }
-  out = {"ref_max": [float(np.max(np.abs(a))) for a in flat(ref)]}
-  for name, fn in scenarios.items():
-    try:
-      out[name] = fn()
-    except Exception:  # noqa: BLE001 - reported to the test
-      out[name] = {"error": traceback.format_exc()}
-  print(json.dumps(out))
+  play(scenarios, {"ref_max": [float(np.max(np.abs(a))) for a in flat(ref)]})
 
 
 if __name__ == "__main__":

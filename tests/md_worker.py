@@ -17,14 +17,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import collections  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
-import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _report import play  # noqa: E402 - tests/_report.py, beside this script
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -389,13 +388,7 @@ def main():
       "pmap": lambda: pmap_scenario("d"),
       "axis_name": axis_name_scenario,
   }
-  out = {}
-  for name, fn in scenarios.items():
-    try:
-      out[name] = fn()
-    except Exception:  # noqa: BLE001 - reported to the test
-      out[name] = {"error": traceback.format_exc()}
-  print(json.dumps(out))
+  play(scenarios)
 
 
 if __name__ == "__main__":
