@@ -18,3 +18,15 @@ def play(scenarios: dict[str, Callable[[], Any]], report: dict[str, Any] | None 
     except Exception:  # noqa: BLE001 - reported to the test
       report[name] = {"error": traceback.format_exc()}
   print(json.dumps(report), flush=True)
+
+
+def parse(stdout: str) -> dict[str, Any]:
+  """The report a worker printed: its last line of output."""
+  return json.loads(stdout.strip().splitlines()[-1])
+
+
+def scenario(report: dict[str, Any], name: str) -> Any:
+  """Scenario ``name``'s result; the test fails with its traceback if it raised."""
+  r = report[name]
+  assert not (isinstance(r, dict) and "error" in r), r["error"]
+  return r

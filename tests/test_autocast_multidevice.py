@@ -4,10 +4,10 @@ The scenarios run once, in a subprocess (``tests/md_autocast_worker.py`` sets
 ``XLA_FLAGS`` before importing jax); the tests assert on the JSON it prints.
 """
 
-import json
 
 import pytest
 
+from tests._report import parse, scenario
 from tests._subprocess import output
 
 # A subprocess with 8 devices (tests/_subprocess.py starts it with the session).
@@ -16,17 +16,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.runs("md_autocast_worker")]
 
 @pytest.fixture(scope="module")
 def report():
-  return json.loads(output("md_autocast_worker").strip().splitlines()[-1])
-
-
-def _scenario(report, name):
-  r = report[name]
-  assert "error" not in r, r.get("error")
-  return r
+  return parse(output("md_autocast_worker"))
 
 
 def test_grad_of_autocast_with_custom_rules_inside_shard_map_with_check_vma(report):
-  r = _scenario(report, "grad")
+  r = scenario(report, "grad")
   assert r["custom_calls"] == ["custom_jvp_call", "custom_vjp_call"]  # relu, gelu, own ones
   assert r["float16_dots"] >= 4  # forward and backward matmuls in float16, per shard
   assert r["dtypes"] == ["float32"] and r["finite"]
@@ -38,7 +32,7 @@ def test_grad_of_autocast_with_custom_rules_inside_shard_map_with_check_vma(repo
 
 
 def test_resnet_step_with_batchnorm_over_the_data_axis_under_shard_map_and_pmap(report):
-  r = _scenario(report, "resnet")
+  r = scenario(report, "resnet")
   assert r["steps"] == [2, 2]  # both steps applied under both
   assert r["dtypes"] == ["float32"]  # master weights and batch statistics
   assert r["pmap_batch_stats_synced"] and r["stats_moved"]

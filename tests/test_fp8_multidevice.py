@@ -6,10 +6,10 @@ Each compares an fp8 MLP's loss and gradients with the one-device result, the
 ``autocast_*`` ones with the MLP's dots made fp8 by ``autocast``'s rule.
 """
 
-import json
 
 import pytest
 
+from tests._report import parse, scenario
 from tests._subprocess import output
 
 # Every test waits for the subprocess (tests/_subprocess.py starts it with the session).
@@ -22,13 +22,7 @@ REL_TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def report():
-  return json.loads(output("md_fp8_worker").strip().splitlines()[-1])
-
-
-def _scenario(report, name):
-  r = report[name]
-  assert "error" not in r, r.get("error")
-  return r
+  return parse(output("md_fp8_worker"))
 
 
 @pytest.mark.parametrize(
@@ -37,7 +31,7 @@ def _scenario(report, name):
              "autocast_one_device", "autocast_jit_auto", "autocast_in_shard_map",
              "shard_map_in_autocast"])
 def test_eight_devices_give_the_one_device_loss_and_gradients(report, name):
-  diffs = _scenario(report, name)["diffs"]  # loss, dw1, dw2, dx
+  diffs = scenario(report, name)["diffs"]  # loss, dw1, dw2, dx
   rel = [d / m for d, m in zip(diffs, report["ref_max"], strict=True)]
   assert max(rel) <= REL_TOL, dict(zip(["loss", "dw1", "dw2", "dx"], rel, strict=True))
 
@@ -45,15 +39,15 @@ def test_eight_devices_give_the_one_device_loss_and_gradients(report, name):
 def test_a_scale_from_each_shards_own_amax_would_differ(report):
   # The control: the blocks of small rows, scaled by their own amax instead of the batch's,
   # change by far more than the tolerance above (so the tests above can fail).
-  rel = _scenario(report, "per_shard_control")["block_rel_diffs"]
+  rel = scenario(report, "per_shard_control")["block_rel_diffs"]
   assert rel[3] == 0.0  # device 3's block holds the batch's amax: the same scale
   assert min(rel[:3] + rel[4:]) > 1000 * REL_TOL, rel
 
 
 def test_out_sharding_is_honoured_under_explicit_sharding(report):
-  assert _scenario(report, "jit_explicit")["out_spec"] == "P(None, 'd')"
+  assert scenario(report, "jit_explicit")["out_spec"] == "P(None, 'd')"
 
 
 def test_a_partial_sum_is_refused_rather_than_scaled_by_its_partial_amax(report):
-  msg = _scenario(report, "unreduced")["refused"]
+  msg = scenario(report, "unreduced")["refused"]
   assert msg and "unreduced along ['d']" in msg, msg

@@ -6,7 +6,6 @@ session); the tests assert on what it reports.
 The checks that need no second device run here, on a one-device mesh.
 """
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmp_scaler
+from tests._report import parse, scenario
 from tests._subprocess import output
 
 SCALE = 2.0**10
@@ -26,13 +26,7 @@ N = 8
 
 @pytest.fixture(scope="module")
 def report():
-  return json.loads(output("md_worker").strip().splitlines()[-1])
-
-
-def _scenario(report, name):
-  r = report[name]
-  assert "error" not in r, r.get("error")
-  return r
+  return parse(output("md_worker"))
 
 
 # --------------------------------------------------------------------------
@@ -114,7 +108,7 @@ def test_scale_in_sync_in_process():
 @pytest.mark.parametrize("name", ["dp", "fsdp"])
 @pytest.mark.runs("md_worker")
 def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
-  r = _scenario(report, name)
+  r = scenario(report, name)
   assert r["scales"] == r["ref_scales"] == EXPECTED_SCALES
   assert r["step"] == 3  # three applied updates out of four
   assert r["skip_exact_every_shard"]  # every shard of the params bit-identical on the skip
@@ -130,14 +124,14 @@ def test_jit_named_sharding_one_shard_overflows_all_skip(report, name):
 @pytest.mark.slow
 @pytest.mark.runs("md_worker")
 def test_fsdp_keeps_params_and_moments_sharded(report):
-  assert _scenario(report, "fsdp")["mu_spec"] == "P('d',)"
-  assert _scenario(report, "dp")["mu_spec"] == "P()"
+  assert scenario(report, "fsdp")["mu_spec"] == "P('d',)"
+  assert scenario(report, "dp")["mu_spec"] == "P()"
 
 
 @pytest.mark.slow
 @pytest.mark.runs("md_worker")
 def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
-  dp, fsdp = _scenario(report, "dp"), _scenario(report, "fsdp")
+  dp, fsdp = scenario(report, "dp"), scenario(report, "fsdp")
   # Data parallel: the gradients are already replicated, the decision is local.
   assert dp["collectives"] == dp["baseline_collectives"]
   assert dp["scalar_all_reduces"] == 0
@@ -151,7 +145,7 @@ def test_jit_adds_no_collective_but_the_one_the_decision_needs(report):
 @pytest.mark.slow
 @pytest.mark.runs("md_worker")
 def test_shard_map_with_axis_name_every_device_skips(report):
-  r = _scenario(report, "shard_map")
+  r = scenario(report, "shard_map")
   assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
   assert r["ref_scales"] == EXPECTED_SCALES
   assert r["step"] == 3 and r["rel_diff"] < 1e-6
@@ -161,7 +155,7 @@ def test_shard_map_with_axis_name_every_device_skips(report):
 @pytest.mark.slow
 @pytest.mark.runs("md_worker")
 def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report):
-  r = _scenario(report, "shard_map")
+  r = scenario(report, "shard_map")
   drift = r["no_axis_unchecked_scales"]
   assert drift[-1] == [SCALE if d != 3 else SCALE / 2 for d in range(N)]  # silently apart
   assert r["no_axis_in_sync"] == [True, True, False, False]  # scale_in_sync sees it
@@ -175,7 +169,7 @@ def test_shard_map_without_axis_name_devices_drift_and_the_checks_say_so(report)
 @pytest.mark.slow
 @pytest.mark.runs("md_worker")
 def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(report):
-  r = _scenario(report, "accumulate")
+  r = scenario(report, "accumulate")
   # Window 0 (micro-batches 0, 1): device 3's micro-batch 1 overflows; every device
   # drops it, applies micro-batch 0 alone and backs off; window 1 is clean.
   assert r["per_device_scales"] == [[SCALE] * N] + [[SCALE / 2] * N] * 3
@@ -186,7 +180,7 @@ def test_accumulation_under_shard_map_drops_one_devices_micro_batch_everywhere(r
 @pytest.mark.slow
 @pytest.mark.runs("md_worker")
 def test_pmap_with_axis_name_every_device_skips(report):
-  r = _scenario(report, "pmap")
+  r = scenario(report, "pmap")
   assert r["per_device_scales"] == [[s] * N for s in EXPECTED_SCALES]
   assert r["devices_bitwise_equal"] and r["rel_diff"] < 1e-6
   assert all(all(row) for row in r["in_sync"])

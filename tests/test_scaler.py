@@ -1,7 +1,6 @@
 """The scaling rule: scripted histories, PyTorch equivalence, bounds, dtypes."""
 
 import functools
-import json
 import re
 import warnings
 
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 import jmp_scaler
 from tests._reference import F32, reference_history
+from tests._report import parse, scenario
 from tests._subprocess import output
 
 _PAD = 96  # every scripted run is padded to this many steps: one compilation.
@@ -361,8 +361,7 @@ def test_non_floating_leaves_and_none_pass_through():
 @pytest.mark.runs("md_worker")
 def test_axis_name_makes_every_device_take_the_same_decision():
   # tests/md_worker.py's axis_name scenario: four devices under shard_map, one holding an inf.
-  r = json.loads(output("md_worker").strip().splitlines()[-1])["axis_name"]
-  assert "error" not in r, r.get("error")
+  r = scenario(parse(output("md_worker")), "axis_name")
   assert r["shared"] == [[True] * 4, [2.0**15] * 4]
   assert r["local"] == [[False, False, True, False], [2.0**16, 2.0**16, 2.0**15, 2.0**16]]
 
