@@ -227,6 +227,11 @@ def kernel_profile(fn, state, batch, steps, logdir):
     total[re.sub(r"\.\d+$", "", e["name"])] += e.get("dur", 0) / 1e3 / steps
   return total, state
 
+@jax.jit
+def _all_finite(tree):
+  """Whether every element of every leaf is finite: one program, not two per leaf shape."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
 
 def _bits(tree):
   return [np.asarray(x).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
@@ -238,8 +243,8 @@ def run(name, model, rounds, steps, hlo_dir=None, vs=None, profile_dir=None, don
   The first variant is the baseline of the ratios; it must be named ``none``.
   """
   kp, kb = jax.random.split(jax.random.key(0))
-  params = model.init(kp)
-  batch = jax.device_put(model.batch_of(kb))
+  params = jax.jit(model.init)(kp)  # one program, not one per eager op
+  batch = jax.jit(model.batch_of)(kb)
   vs = variants(model) if vs is None else vs
   traces = {v.name: 0 for v in vs}
   jitted, states, info = {}, {}, {}
@@ -283,7 +288,7 @@ def run(name, model, rounds, steps, hlo_dir=None, vs=None, profile_dir=None, don
   base = np.asarray(times["none"])
   for v in vs:
     state = states[v.name]
-    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(v.params(state)))
+    finite = bool(_all_finite(v.params(state)))
     scale0 = float(v.scale(state)) if v.scale else None
     timed_ok = finite and (scale0 is None or scale0 == SCALE)
     before = _bits(v.params(state))

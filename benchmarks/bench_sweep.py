@@ -174,6 +174,11 @@ def hlo_stats(text: str) -> dict[str, int]:
   return {"kernels": len(kernels), "conds": count("conditional"), "selects": count("select"),
           "reduces": count("reduce"), "lines": len(lines)}
 
+@jax.jit
+def _all_finite(tree):
+  """Whether every element of every leaf is finite: one program, not two per leaf shape."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
 
 def _bits(tree):
   return [np.asarray(x).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
@@ -182,16 +187,21 @@ def _bits(tree):
 def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
   """Benchmarks the variants ``names`` (the first must be ``none``) on ``model``."""
   kp, kb = jax.random.split(jax.random.key(0))
-  params = model.init(kp)
-  batch = jax.device_put(model.batch_of(kb))
+  params = jax.jit(model.init)(kp)  # one program, not one per eager op
+  batch = jax.jit(model.batch_of)(kb)
   table = variants(model)
   fns, states, info = {}, {}, {}
   lowers, compiles = {v: [] for v in names}, {v: [] for v in names}
   for r in range(compile_rounds):
-    for v in names[r % len(names):] + names[: r % len(names)]:
-      init, step, _, _ = table[v]
-      # Copies: init may hand out one buffer for equal constants, and each is donated.
-      state = jax.tree.map(jnp.copy, init(jax.tree.map(jnp.copy, params)))
+    order = names[r % len(names):] + names[: r % len(names)]
+    # Copies: init may hand out one buffer for equal constants, and each is donated. Every
+    # state of the round is made before the first clear_caches (eagerly, so its small
+    # programs compile once a round, not once a variant).
+    fresh = {v: jax.tree.map(jnp.copy, table[v][0](jax.tree.map(jnp.copy, params)))
+             for v in order}
+    for v in order:
+      _, step, _, _ = table[v]
+      state = fresh.pop(v)
       jax.clear_caches()  # trace, lower and compile from scratch every round
       t0 = time.perf_counter()
       lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
@@ -235,7 +245,7 @@ def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
   for v in names:
     _, _, get_params, get_scale = table[v]
     state = states[v]
-    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(get_params(state)))
+    finite = bool(_all_finite(get_params(state)))
     # ... and no timed step was skipped (a skipped step costs less): the scale never moved.
     finite = finite and (get_scale is None or float(get_scale(state)) == SCALE)
     before = _bits(get_params(state))
@@ -255,8 +265,8 @@ def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
 def codegen(name, model, names):
   """One traced compile per variant: XLA:CPU's distinct kernels and where the time went."""
   kp, kb = jax.random.split(jax.random.key(0))
-  params = model.init(kp)
-  batch = jax.device_put(model.batch_of(kb))
+  params = jax.jit(model.init)(kp)  # one program, not one per eager op
+  batch = jax.jit(model.batch_of)(kb)
   table = variants(model)
   head = (f"{'variant':<18}{'kernels':>8}{'emit ms':>9}{'llvm ms':>9}{'passes ms':>10}"
           f"{'compile ms':>11}")
@@ -293,7 +303,7 @@ def codegen(name, model, names):
 
 def _print_table(name, model, rounds, steps, rows):
   base = rows[0]
-  leaves = len(jax.tree.leaves(model.init(jax.random.key(0))))
+  leaves = len(jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
   print(f"\n## {name}: {model} ({leaves} leaves)")
   print(f"{rounds} rounds x {steps} steps, jax {jax.__version__} {jax.default_backend()}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; ratios to none")
