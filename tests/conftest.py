@@ -75,7 +75,8 @@ def pytest_collection_finish(session):
       if item.get_closest_marker("slow") is None:
         raise pytest.UsageError(f"{item.nodeid} waits for a subprocess: mark it slow too")
       names.update(mark.args)
-  _subprocess.POOL.start(names)
+  if not session.config.option.collectonly:
+    _subprocess.POOL.start(names)
 
 
 def pytest_sessionfinish(session):
