@@ -268,14 +268,14 @@ def train_seeds_stepwise(task: Task, setup: str, seeds: int, compiled):
   return np.asarray(losses), np.asarray(accs)
 
 
-_EVALUATORS: dict[str, Any] = {}
+_EVALUATORS: dict[int, Any] = {}
 
 
 def _evaluator(task: Task):
-  if task.name not in _EVALUATORS:
+  if id(task) not in _EVALUATORS:
     x, y = jnp.asarray(task.x_test), jnp.asarray(task.y_test)
-    _EVALUATORS[task.name] = jax.jit(lambda p: task.loss_acc(p, x, y))
-  return _EVALUATORS[task.name]
+    _EVALUATORS[id(task)] = task, jax.jit(lambda p: task.loss_acc(p, x, y))
+  return _EVALUATORS[id(task)][1]
 
 
 # ---------------------------------------------------------------- memory and time
@@ -294,9 +294,10 @@ def _init_fn(task: Task, setup: str):
   Two compiled programs, each made once: the task's float32 initialization
   (shared by the setups), then the setup's cast and optimizer state.
   """
-  if task.name not in _INITS:
-    _INITS[task.name] = jax.jit(lambda seed: task.init(jax.random.key(seed)))
-  if (task.name, setup) not in _INITS:
+  # keyed by the task object (held in the value, so its id is not reused), not its name
+  if id(task) not in _INITS:
+    _INITS[id(task)] = task, jax.jit(lambda seed: task.init(jax.random.key(seed)))
+  if (id(task), setup) not in _INITS:
     dtype = jnp.float32 if setup == "f32" else jnp.bfloat16
     tx = make_tx(setup, task.lr, task.wd)
 
@@ -304,8 +305,8 @@ def _init_fn(task: Task, setup: str):
       params = jax.tree.map(lambda a: a.astype(dtype), params)
       return params, tx.init(params)
 
-    _INITS[task.name, setup] = jax.jit(cast_and_init)
-  init32, init = _INITS[task.name], _INITS[task.name, setup]
+    _INITS[id(task), setup] = task, jax.jit(cast_and_init)
+  init32, init = _INITS[id(task)][1], _INITS[id(task), setup][1]
   return lambda seed: init(init32(seed))
 
 

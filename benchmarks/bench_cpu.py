@@ -227,6 +227,7 @@ def kernel_profile(fn, state, batch, steps, logdir):
     total[re.sub(r"\.\d+$", "", e["name"])] += e.get("dur", 0) / 1e3 / steps
   return total, state
 
+
 @jax.jit
 def _all_finite(tree):
   """Whether every element of every leaf is finite: one program, not two per leaf shape."""

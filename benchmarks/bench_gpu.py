@@ -101,6 +101,7 @@ def fp8_report(lowered_text: str, compiled_text: str) -> dict:
   triton = len(re.findall(r"= [^\n]* dot\(f8e", compiled_text))  # fp8 dots inside fusions
   return {"sites": sites, "cublas_f8": cublas, "triton_f8": triton}
 
+
 @jax.jit
 def _all_finite(tree):
   """Whether every element of every leaf is finite: one program, not two per leaf shape."""

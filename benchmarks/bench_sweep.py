@@ -174,6 +174,7 @@ def hlo_stats(text: str) -> dict[str, int]:
   return {"kernels": len(kernels), "conds": count("conditional"), "selects": count("select"),
           "reduces": count("reduce"), "lines": len(lines)}
 
+
 @jax.jit
 def _all_finite(tree):
   """Whether every element of every leaf is finite: one program, not two per leaf shape."""
