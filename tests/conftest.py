@@ -9,15 +9,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The suite's programs are small and many: compiling them is most of its time, and most
 # of a compile is LLVM optimising code that runs for microseconds. These flags switch that
-# off, and have XLA:CPU emit its loops with its older emitters, which compile in a third of
-# the time. The HLO passes are the same (the tests that count copies, conditionals and
-# kernels read them), and so is the IEEE arithmetic: XLA:CPU never enables fast-math, and
+# off, have XLA:CPU emit its loops with its older emitters, which compile in a third of
+# the time, and compile each program's LLVM module whole (split in parts for threads, it
+# costs some 10% more CPU, and the suite's processes already fill both cores). The HLO
+# passes are the same (the tests that count copies, conditionals and kernels read them),
+# and so is the IEEE arithmetic: XLA:CPU never enables fast-math, and
 # the whole suite passes with and without the flags. They hold for this process and every
 # subprocess it starts (tests/_subprocess.py), and are set before any test imports jax.
 # A test that must see XLA's default codegen passes compiler_options to its jax.jit
 # (tests/test_ecosystem.py does for the bit-for-bit Adam).
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+                "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 if "jax" in sys.modules:
   raise RuntimeError("jax was imported before tests/conftest.py could set XLA_FLAGS")
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist's workers inherit them
