@@ -92,15 +92,15 @@ RUNS: dict[str, Run] = {
     "data_parallel": Run((PY, "examples/data_parallel.py", "--devices", "8", "--steps", "3",
                           "--bad-step", "1", "--fsdp"), 6, EIGHT),
     # the benchmarks' smoke runs
-    "bench_bf16": _bench("bench_bf16.py", "--quick", cost=63),
-    "bench_sweep": _bench("bench_sweep.py", "--quick", "--models", "mlp8,gpt", cost=39),
+    "bench_bf16": _bench("bench_bf16.py", "--quick", cost=23),
+    "bench_sweep": _bench("bench_sweep.py", "--quick", "--models", "mlp8,gpt", cost=26),
     "bench_sweep_codegen": _bench("bench_sweep.py", "--codegen", "--quick", "--models", "mlp8",
-                                  "--variants", "ts_select", cost=7),
+                                  "--variants", "ts_select", cost=6),
     "bench_autocast_gpt": _bench("bench_autocast.py", "--model", "gpt", "--quick",
-                                 "--gpt-steps", "60", cost=26),
-    "bench_cpu": _bench("bench_cpu.py", "--quick", "--profile", "{dir}/trace", cost=20),
-    "bench_gpu": _bench("bench_gpu.py", "--quick", cost=20),
-    "bench_policy": _bench("bench_policy.py", "--quick", cost=9),
+                                 "--gpt-steps", "60", cost=17),
+    "bench_cpu": _bench("bench_cpu.py", "--quick", "--profile", "{dir}/trace", cost=17),
+    "bench_gpu": _bench("bench_gpu.py", "--quick", cost=18),
+    "bench_policy": _bench("bench_policy.py", "--quick", cost=7),
 }
 
 
