@@ -4,24 +4,21 @@ import sys
 import pytest
 from hypothesis import settings
 
+from tests import _xla
+
 # Tests run on the CPU with one device; multi-device tests start subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# The suite's programs are small and many: compiling them is most of its time, and most
-# of a compile is LLVM optimising code that runs for microseconds. These flags switch that
-# off, have XLA:CPU emit its loops with its older emitters, which compile in a third of
-# the time, and compile each program's LLVM module whole (split in parts for threads, it
-# costs some 10% more CPU, and the suite's processes already fill both cores). The HLO
-# passes are the same (the tests that count copies, conditionals and kernels read them),
-# and so is the IEEE arithmetic: XLA:CPU never enables fast-math, and
-# the whole suite passes with and without the flags. They hold for this process and every
-# subprocess it starts (tests/_subprocess.py), and are set before any test imports jax.
+# The suite's programs are small and many: compiling them is most of its time, so it asks XLA
+# for fast compiles (tests/_xla.py: the same HLO and IEEE arithmetic; the whole suite passes with
+# and without them), keeping only the flags the installed XLA accepts: an unknown flag in
+# XLA_FLAGS aborts the process. They hold for this process, pytest-xdist's workers and every
+# subprocess the suite starts (tests/_subprocess.py), and are set before any test imports jax.
 # A test that must see XLA's default codegen passes compiler_options to its jax.jit
 # (tests/test_ecosystem.py does for the bit-for-bit Adam).
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 if "jax" in sys.modules:
   raise RuntimeError("jax was imported before tests/conftest.py could set XLA_FLAGS")
+FAST_COMPILE = _xla.flags()
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist's workers inherit them
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
@@ -38,7 +35,8 @@ settings.load_profile(PROFILE)
 
 def pytest_report_header(config):
   profile = config.getoption("hypothesis_profile", None) or PROFILE
-  return f"hypothesis profile: {profile} (derandomize={settings.default.derandomize})"
+  lines = [f"hypothesis profile: {profile} (derandomize={settings.default.derandomize})"]
+  return lines + [line for line in [_xla.note()] if line]
 
 
 def pytest_collection_modifyitems(config, items):

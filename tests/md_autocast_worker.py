@@ -14,11 +14,10 @@ assert on. A scenario that raises reports its traceback instead.
 
 import os
 
+from _xla import flags  # noqa: E402 - tests/_xla.py, beside this script
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    + " --xla_cpu_use_fusion_emitters=false"
-)
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {flags()}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import re  # noqa: E402

@@ -12,10 +12,10 @@ from one block's amax instead of the whole tensor's changes the result
 
 import os
 
+from _xla import compile_options, flags  # noqa: E402 - tests/_xla.py, beside this script
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {flags()}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -30,7 +30,7 @@ import jmp_scaler  # noqa: E402
 
 N = 8
 DN = (((1,), (0,)), ((), ()))
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = compile_options()
 
 
 def data():

@@ -7,12 +7,12 @@ the tests assert on. A scenario that raises reports its traceback instead.
 
 import os
 
-# Eight virtual devices; LLVM optimisation off: these programs are tiny, and it
+# Eight virtual devices; fast compiles (tests/_xla.py): these programs are tiny, and it
 # halves the compile time without changing the HLO whose collectives are counted.
+from _xla import flags  # noqa: E402 - tests/_xla.py, beside this script
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {flags()}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import collections  # noqa: E402

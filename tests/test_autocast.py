@@ -14,6 +14,7 @@ from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
 import jmp_scaler
+from tests import _xla
 
 F16 = "p=f32,c=f16,o=f32"
 BF16 = "p=f32,c=bf16,o=f32"
@@ -104,7 +105,7 @@ def key(seed):
 
 # Faster XLA compilation (about half the CPU time) for the jitted programs:
 # what is under test is dtypes and training, not LLVM's optimisations.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = _xla.compile_options()
 SMALL = nnx.eval_shape(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))  # abstract: no compile
 
 

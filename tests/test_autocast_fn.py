@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmp_scaler
 from jmp_scaler.precision._autocast import DEFAULT_RULES, autocast, full_precision
+from tests import _xla
 
 F16 = "p=f32,c=f16,o=f32"
 F16_DT, F32_DT = jnp.dtype("float16"), jnp.dtype("float32")
@@ -31,7 +32,7 @@ MLP_PARAMS = [
   jnp.asarray(_RNG.normal(size=s) / np.sqrt(s[0]), jnp.float32) for s in ((16, 32), (32, 4))
 ]
 # Faster XLA compilation for the programs the tests run (dtypes are under test, not LLVM).
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = _xla.compile_options()
 fast_jit = functools.partial(jax.jit, compiler_options=FAST)
 LOG_OPS = ("exp", "log", "log1p", "reduce_sum", "reduce_max", "integer_pow", "logistic")
 

@@ -34,12 +34,12 @@ from jax.scipy.ndimage import map_coordinates
 from jax.scipy.special import erfinv
 
 import jmp_scaler
+from tests import _xla
 from tests.test_autocast_fn import result_dtype
 
 # Fast XLA:CPU compilation: these programs run for microseconds; the fusion emitters
 # alone take three quarters of compiling ~120 small ops.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-        "xla_cpu_use_fusion_emitters": False}  # fmt: skip
+FAST = _xla.compile_options()
 pytestmark = pytest.mark.filterwarnings(  # jnp's own, for .at[].set of float32 into float16
     "ignore:scatter inputs have incompatible types:FutureWarning")
 POLICIES = {"float16": "p=f32,c=f16,o=f32", "bfloat16": "p=f32,c=bf16,o=f32"}

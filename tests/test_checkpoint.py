@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jmp_scaler
+from tests import _xla
 from tests._subprocess import output, run_dir
 
 STEPS, SAVE_AT = 12, 6
@@ -31,7 +32,7 @@ def make_tx(**kw):
 
 TX = make_tx()  # one object: the jitted steps see one static tx and compile once
 # Faster XLA compilation (about half the CPU time); both runs use the same.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = _xla.compile_options()
 
 
 def _bits(tree):

@@ -25,6 +25,7 @@ from flax import nnx
 from flax.training import train_state as flax_train_state
 
 import jmp_scaler
+from tests import _xla
 
 ROOT = Path(__file__).resolve().parents[1]
 F16_MAX, BF16_MAX = 65504.0, float(jnp.finfo(jnp.bfloat16).max)
@@ -261,8 +262,7 @@ def adam_runs():
 @functools.cache
 def adam_at_the_default_level():
   """``adam`` as users compile it: XLA:CPU's default level (the suite compiles at the lowest)."""
-  default = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False,
-             "xla_cpu_use_fusion_emitters": True}
+  default = _xla.default_options()
   ours, theirs = (make() for make in PAIRS["adam"])
   return jax.jit(lambda: {"ours": _tanh_layer_run(ours), "optax": _tanh_layer_run(theirs)},
                  compiler_options=default)()  # fmt: skip

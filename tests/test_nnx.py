@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jmp_scaler
+from tests import _xla
 
 
 class Net(nnx.Module):
@@ -46,7 +47,7 @@ def key(seed):
   return jax.random.key(seed, impl="unsafe_rbg")
 
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST = _xla.compile_options()
 GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: Net(nnx.Rngs(0, dropout=1))))
 _init = jax.jit(
     lambda: nnx.state(Net(nnx.Rngs(key(0), dropout=key(1)))), compiler_options=FAST
