@@ -23,9 +23,9 @@ from jax import lax
 
 import jmp_scaler
 from jmp_scaler.lowbit._fp8 import quantize
+from tests import _xla
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-        "xla_cpu_use_fusion_emitters": False}
+FAST = _xla.compile_options()
 fast_jit = functools.partial(jax.jit, compiler_options=FAST)
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)
@@ -262,27 +262,50 @@ def _elem(tensor_type):
   return tensor_type.rsplit("x", 1)[-1]
 
 
+def _indent(line):
+  return len(line) - len(line.lstrip())
+
+
+def _definition(lines, j, name):
+  """The line that defines ``name`` as seen from line ``j``: the nearest one before it in its
+  own region or an enclosing one (MLIR numbers the values of sibling regions alike: jax 0.12
+  inlines each scan body into a ``stablehlo.while`` region of the caller)."""
+  level = _indent(lines[j])
+  for k in range(j - 1, -1, -1):
+    if not lines[k].strip():
+      continue
+    if _indent(lines[k]) < level:
+      level = _indent(lines[k])
+    if _indent(lines[k]) == level and re.match(r"\s*" + re.escape(name) + r"(:\d+)? = ", lines[k]):
+      return lines[k]
+  return ""
+
+
 def _dots(text):
   """Every ``dot_general`` of a StableHLO module: operand and result dtypes, and whether its
-  one consumer is a multiply by a broadcast scalar (what gemm_rewriter folds into the GEMM)."""
+  one consumer is a multiply by a broadcast scalar (what gemm_rewriter folds into the GEMM).
+  Names are resolved by region: the users of a dot are the lines of its own region after it."""
   found = []
-  for func in re.split(r"\n\s*func\.func ", text):
-    lines = func.splitlines()
-    defs = {m.group(1): ln for ln in lines if (m := re.match(r"\s*(%[\w#]+) = ", ln))}
-    for ln in lines:
-      m = _DOT.search(ln)
-      if not m:
-        continue
-      name = m.group(1)
-      users = [u for u in lines if re.search(re.escape(name) + r"(?![\w#])", u) and u != ln]
-      scaled = False
-      if len(users) == 1 and "stablehlo.multiply" in users[0]:
-        other = [o for o in re.findall(r"%[\w#]+", users[0].split("=", 1)[1]) if o != name]
-        src = defs.get(other[0], "") if len(other) == 1 else ""
-        scaled = bool(re.search(r"stablehlo\.broadcast_in_dim %[\w#]+, dims = \[\] : "
-                                r"\(tensor<(f32|bf16)>\)", src))
-      found.append({"operands": (_elem(m.group(4)), _elem(m.group(5))),
-                    "result": _elem(m.group(6)), "scaled": scaled})
+  lines = text.splitlines()
+  for i, ln in enumerate(lines):
+    m = _DOT.search(ln)
+    if not m:
+      continue
+    name, users = m.group(1), []
+    for j in range(i + 1, len(lines)):
+      if lines[j].strip() and _indent(lines[j]) < _indent(ln):
+        break  # the end of the dot's region
+      if re.search(re.escape(name) + r"(?![\w#])", lines[j]):
+        users.append(j)
+    scaled = False
+    if len(users) == 1 and "stablehlo.multiply" in lines[users[0]]:
+      use = lines[users[0]]
+      other = [o for o in re.findall(r"%[\w#]+", use.split("=", 1)[1]) if o != name]
+      src = _definition(lines, users[0], other[0]) if len(other) == 1 else ""
+      scaled = bool(re.search(r"stablehlo\.broadcast_in_dim %[\w#]+, dims = \[\] : "
+                              r"\(tensor<(f32|bf16)>\)", src))
+    found.append({"operands": (_elem(m.group(4)), _elem(m.group(5))),
+                  "result": _elem(m.group(6)), "scaled": scaled})
   return found
 
 
