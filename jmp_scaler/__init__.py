@@ -10,7 +10,9 @@ each importing only from wings on lower floors (``tools/house.py`` draws it and
 ``tests/test_house.py`` holds it):
 
 * floor 0, the ground floor: ``_leaves`` (which leaves are touched, in which
-  dtype) and ``_validation`` (argument checks);
+  dtype) and ``_validation`` (argument checks); beside it ``jaxcompat``, the one
+  place that reads JAX's internals (jaxpr types, the parameters of the
+  higher-order primitives, source information, manual mesh axes);
 * floor 1: ``scaling`` (the scaler, the exact skip, accumulation, several
   devices) and ``lowbit`` (stochastic rounding, Kahan summation, 16-bit Adam,
   fp8 matmuls);

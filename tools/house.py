@@ -26,6 +26,7 @@ GROUND = ""
 #: Each wing's floor: a wing imports only from wings on a lower floor (and itself).
 WINGS = {
     GROUND: 0,          # _leaves, _validation
+    "jaxcompat": 0,     # every JAX internal read, one module per concern
     "scaling": 1,       # the scaler, the exact skip, accumulation, several devices
     "lowbit": 1,        # stochastic rounding, Kahan summation, 16-bit Adam, fp8
     "precision": 2,     # policies (which recommend a scaler and an optimizer), autocast

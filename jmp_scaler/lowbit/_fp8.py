@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from jmp_scaler._validation import integer, one_of, real
+from jmp_scaler.jaxcompat._types import unreduced_axes, varying_axes
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -130,19 +131,8 @@ _DEFAULT_RECIPE = Fp8Recipe()
 # ------------------------------------------------------------------ scaling --
 
 
-def _varying(x: jax.Array) -> tuple[frozenset, frozenset]:
-  """The manual mesh axes ``x`` varies along, and the mesh axes it is unreduced along."""
-  aval = jax.typeof(x)
-  spec = getattr(getattr(aval, "sharding", None), "spec", None)
-  unreduced = frozenset(getattr(spec, "unreduced", ()) or ())  # explicit sharding
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:  # inside shard_map
-    return frozenset(mat.varying), unreduced | frozenset(mat.unreduced)
-  return frozenset(getattr(aval, "vma", ())), unreduced
-
-
 def _check_reduced(x: jax.Array) -> None:
-  unreduced = _varying(x)[1]
+  unreduced = unreduced_axes(x)
   if unreduced:
     raise Unsupported(
         f"fp8_dot_general got an operand that is unreduced along {sorted(unreduced)} (a "
@@ -157,12 +147,12 @@ def _amax_axes(x: jax.Array) -> tuple[str, ...]:
   (the ``pmax`` of a replicated value is the value itself).
   """
   _check_reduced(x)
-  varying = _varying(x)[0]
+  varying = varying_axes(x)
   mesh = jax.sharding.get_abstract_mesh()
   manual = tuple(getattr(mesh, "manual_axes", ()))
   if not manual:
     return ()
-  tracked = manual[0] in _varying(lax.axis_index(manual[0]))[0]  # check_vma is on
+  tracked = manual[0] in varying_axes(lax.axis_index(manual[0]))  # check_vma is on
   return tuple(a for a in manual if a in varying) if tracked else manual
 
 
@@ -267,7 +257,7 @@ def _psum_to(ct: jax.Array, like: jax.Array) -> jax.Array:
   This is the transpose of the implicit ``pvary`` of a replicated operand
   (a weight inside ``shard_map``) in the forward pass.
   """
-  extra = _varying(ct)[0] - _varying(like)[0]
+  extra = varying_axes(ct) - varying_axes(like)
   if not extra:
     return ct
   order = jax.sharding.get_abstract_mesh().axis_names

@@ -15,7 +15,6 @@ whenever it is jitted.
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,10 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Literal, jaxprs_in_params
 
 from jmp_scaler._leaves import FLOAT32, is_real_floating
+from jmp_scaler.jaxcompat import _jaxpr as J
+from jmp_scaler.jaxcompat import _primitives as P
+from jmp_scaler.jaxcompat import _source as S
 from jmp_scaler.lowbit._fp8 import Fp8Recipe, Unsupported, fp8_dot_general
 from jmp_scaler.precision import _rules as R
 from jmp_scaler.precision._casts import NONE, Planner
@@ -46,7 +46,7 @@ _MARKS = (AUTOCAST_MARK, FULL_PRECISION_MARK)
 def _is_weak(var: Any) -> bool:
   """Scalar literals (``x * 0.5``) and weakly typed values do not drive promotion."""
   aval = var.aval
-  return (isinstance(var, Literal) and not aval.shape) or bool(getattr(aval, "weak_type", False))
+  return (J.is_literal(var) and not aval.shape) or bool(getattr(aval, "weak_type", False))
 
 
 def _all_fp8(args: Sequence[Any]) -> bool:
@@ -62,9 +62,8 @@ _NOT_FP8: dict = {}
 
 def _warn_not_fp8(eqn: Any, reason: Exception, dtype: Any) -> None:
   """Warns, once per site, that a dot under the "fp8" rule runs in ``dtype`` instead."""
-  site = source_info_util.summarize(eqn.source_info)
-  m = re.match(r"(.*):(\d+):\d+ \(.*\)$", site)
-  filename, lineno = (m.group(1), int(m.group(2))) if m else ("<unknown>", 0)
+  site = S.summarize(eqn)
+  filename, lineno = S.summary_location(eqn)
   warnings.warn_explicit(
     f"jmp_scaler.autocast: the dot_general at {site} does not run in fp8; it runs in {dtype} "
     f"under the 'compute' rule: {reason}",
@@ -83,9 +82,9 @@ class _Interpreter:
   @staticmethod
   def _body_of(eqn: Any) -> Any:
     """A call-like body to plan through; regions are run as they are, so not planned."""
-    if eqn.primitive.name in R.JIT_NAMES and R.jit_name(eqn).startswith(_MARKS):
+    if eqn.primitive.name in P.JIT_NAMES and P.jit_name(eqn).startswith(_MARKS):
       return None
-    return R.call_body(eqn)
+    return P.call_body(eqn)
 
   def run(self, jaxpr: Any, args: Sequence[Any], widened=None, fed_out=None) -> list:
     """Evaluates a (closed) jaxpr on ``args`` under the rules.
@@ -94,10 +93,10 @@ class _Interpreter:
     computed each argument by widening, and ``fed_out`` which results the caller uses
     only in float32 ops (see :class:`Planner`); none if not given.
     """
-    closed = R.as_closed(jaxpr)
+    closed = J.closed(jaxpr)
     plan = self.planner.plan(closed.jaxpr, widened, fed_out)
     env: dict[Any, Any] = {}
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    read = lambda v: J.read_literal(v, env)
     env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(closed.jaxpr.invars, args, strict=True))
     casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
@@ -109,9 +108,8 @@ class _Interpreter:
       return casts[key][1]
 
     for i, eqn in enumerate(closed.jaxpr.eqns):
-      info = eqn.source_info
       args_i = [read(v) for v in eqn.invars]
-      with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
+      with S.user_context(eqn):
         if i in plan.round_trips:
           outs = args_i  # the end of a round trip: the value stays as autocast computed it
         else:
@@ -120,7 +118,7 @@ class _Interpreter:
       env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in closed.jaxpr.outvars]
 
-  def transform(self, closed: ClosedJaxpr, args: Sequence[Any], *plan_args) -> ClosedJaxpr:
+  def transform(self, closed: Any, args: Sequence[Any], *plan_args) -> Any:
     """``closed`` rewritten for inputs shaped like ``args``."""
     return jax.make_jaxpr(lambda *xs: self.run(closed, xs, *plan_args))(*args)
 
@@ -130,14 +128,14 @@ class _Interpreter:
     rule = rule or self.table.get(name)
     if rule == R.ORIGINAL:
       return self._original(eqn, args)
-    if name in R.JIT_NAMES:
-      body = R.jit_body(eqn)
-      if R.jit_name(eqn).startswith(_MARKS):  # a region: already decided
-        return R.rebind_jit(
+    if name in P.JIT_NAMES:
+      body = P.jit_body(eqn)
+      if P.jit_name(eqn).startswith(_MARKS):  # a region: already decided
+        return P.rebind_jit(
           eqn, body, [R.cast(a, v.dtype) for a, v in zip(args, body.in_avals, strict=True)]
         )
-      inner = [NONE if isinstance(v, Literal) else widened.get(v, NONE) for v in eqn.invars]
-      return R.rebind_jit(eqn, self.transform(body, args, inner, fed_out), args)
+      inner = [NONE if J.is_literal(v) else widened.get(v, NONE) for v in eqn.invars]
+      return P.rebind_jit(eqn, self.transform(body, args, inner, fed_out), args)
     if name in R.HIGHER_ORDER:
       return R.HIGHER_ORDER[name](self._runner(eqn, fed_out), eqn, args)
     if R.is_scatter(eqn):
@@ -147,7 +145,7 @@ class _Interpreter:
       return self._bind(eqn, args, eqn.params)
     if rule == R.FP8:
       return self._fp8(eqn, args, cast)
-    if any(True for _ in jaxprs_in_params(eqn.params)):
+    if J.has_sub_jaxprs(eqn):
       warnings.warn(
         f"jmp_scaler.autocast cannot rewrite the body of {name!r}; it runs at the dtypes "
         "it was traced with",
@@ -177,10 +175,10 @@ class _Interpreter:
 
   def _runner(self, eqn: Any, fed_out: tuple | None) -> Callable:
     """``run`` for a higher-order equation: its call body knows which results feed float32."""
-    body = R.call_body(eqn)
+    body = P.call_body(eqn)
 
     def run(jaxpr, args):
-      mine = fed_out is not None and R.as_closed(jaxpr).jaxpr is body
+      mine = fed_out is not None and J.closed(jaxpr).jaxpr is body
       return self.run(jaxpr, args, None, fed_out if mine else None)
 
     return run
@@ -211,8 +209,7 @@ class _Interpreter:
 
   @staticmethod
   def _bind(eqn: Any, args: list, params: Mapping[str, Any]) -> list:
-    out = eqn.primitive.bind(*args, **R.bind_params(eqn.primitive, params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+    return J.bind(eqn, args, dict(params))
 
 
 def name_is_convert(eqn: Any) -> bool:

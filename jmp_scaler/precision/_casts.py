@@ -29,8 +29,8 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr, Literal, jaxprs_in_params
 
+from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.precision import _rules as R
 
 NONE: frozenset = frozenset()
@@ -70,7 +70,7 @@ def _is_convert(eqn: Any) -> bool:
 class Planner:
   """Plans jaxprs under a rule table; the plans of shared bodies (jnp's jits) are cached."""
 
-  def __init__(self, table: Mapping[str, str], body_of: Callable[[Any], Jaxpr | None],
+  def __init__(self, table: Mapping[str, str], body_of: Callable[[Any], Any],
                given: frozenset[str] = frozenset()):  # fmt: skip
     """``given``: the primitives the user gave a rule; they are never run in float32 for
     feeding float32 ops (``rules={"mul": "promote"}`` switches that off for ``mul``)."""
@@ -84,7 +84,7 @@ class Planner:
       rule = R.KEEP if eqn.primitive.multiple_results else R.PROMOTE
     return rule
 
-  def plan(self, jaxpr: Jaxpr, widened_in: Sequence | None = None,
+  def plan(self, jaxpr: Any, widened_in: Sequence | None = None,
            fed_out: Sequence[bool] | None = None) -> Plan:  # fmt: skip
     """The plan of ``jaxpr`` whose inputs were widened from ``widened_in`` (per input) and
     whose outputs only float32 ops use where ``fed_out`` says so (both: none if not given)."""
@@ -101,9 +101,9 @@ class Planner:
 
   # -------------------------------------------------------------- round trips
 
-  def _round_trips(self, jaxpr: Jaxpr, widened_in: tuple) -> tuple[frozenset, dict]:
+  def _round_trips(self, jaxpr: Any, widened_in: tuple) -> tuple[frozenset, dict]:
     widened: dict[Any, frozenset] = dict(zip(jaxpr.invars, widened_in, strict=True))
-    get = lambda v: NONE if isinstance(v, Literal) else widened.get(v, NONE)
+    get = lambda v: NONE if J.is_literal(v) else widened.get(v, NONE)
     trips = set()
     for i, eqn in enumerate(jaxpr.eqns):
       ins = NONE.union(*(get(v) for v in eqn.invars if _floating(v)))
@@ -113,7 +113,7 @@ class Planner:
         outs = [NONE] * len(eqn.outvars)  # a matmul's result is new, in the compute dtype
       elif (body := self.body_of(eqn)) is not None:
         inner = self.plan(body, [get(v) for v in eqn.invars])
-        outs = [NONE if isinstance(v, Literal) else inner.widened.get(v, NONE)
+        outs = [NONE if J.is_literal(v) else inner.widened.get(v, NONE)
                 for v in body.outvars]  # fmt: skip
       else:
         outs = [ins] * len(eqn.outvars)
@@ -136,15 +136,15 @@ class Planner:
 
   # -------------------------------------------------------------- float32-fed ops
 
-  def _float32_fed(self, jaxpr: Jaxpr, fed_out: tuple[bool, ...]) -> tuple:
+  def _float32_fed(self, jaxpr: Any, fed_out: tuple[bool, ...]) -> tuple:
     uses: dict[Any, list[tuple[int, int]]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
       for k, v in enumerate(eqn.invars):
-        if not isinstance(v, Literal):
+        if not J.is_literal(v):
           uses.setdefault(v, []).append((i, k))
     returned: dict[Any, bool] = {}
     for v, f in zip(jaxpr.outvars, fed_out, strict=True):
-      if not isinstance(v, Literal):
+      if not J.is_literal(v):
         returned[v] = returned.get(v, True) and f
     float32: set[int] = set()
     moves: set[int] = set()  # data movement whose result only float32 ops use
@@ -177,7 +177,7 @@ class Planner:
       elif (
         self.rule(eqn) in R.FOLLOWING and eqn.primitive.name not in self.given
         and not _is_convert(eqn) and len(eqn.outvars) == 1
-        and not any(True for _ in jaxprs_in_params(eqn.params)) and fed(eqn.outvars[0])
+        and not J.has_sub_jaxprs(eqn) and fed(eqn.outvars[0])
       ):  # fmt: skip
         (moves if eqn.primitive.name in R.MOVES else float32).add(i)
     feeds = tuple(fed(v) for v in jaxpr.invars)

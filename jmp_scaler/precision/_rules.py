@@ -19,9 +19,9 @@ Integer, boolean and key-typed values are never cast, and float64 is never narro
 
 The second half of this module rebinds the higher-order primitives (``jit``,
 ``custom_jvp_call``, ``custom_vjp_call``, ``scan``, ``while``, ``cond``, ``checkpoint``,
-``shard_map``) with transformed bodies. Their parameter names change between JAX
-versions; every such name is read here and nowhere else. Where a public API can
-rebuild the primitive (``jax.custom_jvp``, ``jax.custom_vjp``, ``lax.scan``,
+``shard_map``) with transformed bodies. Their parameters change between JAX versions and
+are read by :mod:`jmp_scaler.jaxcompat` (``_primitives``), nowhere here. Where a public API
+can rebuild the primitive (``jax.custom_jvp``, ``jax.custom_vjp``, ``lax.scan``,
 ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``, ``jax.shard_map``) it is used;
 ``jit`` is rebound with its own parameters and a new body.
 """
@@ -37,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 
+from jmp_scaler.jaxcompat import _primitives as P
+from jmp_scaler.jaxcompat._jaxpr import Primitive
+from jmp_scaler.jaxcompat._types import row_struct, struct
 from jmp_scaler.lowbit._fp8 import Fp8Recipe
 
 COMPUTE, FLOAT32, PROMOTE, RECIPROCAL = "compute", "float32", "promote", "reciprocal"
@@ -68,7 +70,13 @@ _FLOAT32_OPS = (
     "geqrf", "geqp3", "eigh", "eig", "svd", "schur", "hessenberg", "tridiagonal",
     "tridiagonal_solve",
 )  # fmt: skip
-_ORIGINAL_OPS = ("bitcast_convert_type", "nextafter", "pure_callback", "io_callback")
+_ORIGINAL_OPS = (
+  "bitcast_convert_type", "nextafter", "pure_callback", "io_callback",
+  # jax <= 0.10's jnp.linalg.solve and inv: JAX's own solve as a higher-order primitive. Its
+  # bodies run at the dtypes they were traced with: float32 unless the inputs were half (and
+  # jax >= 0.11's jnp.linalg refuses half inputs before autocast sees them).
+  "custom_linear_solve",
+)  # fmt: skip
 
 #: Primitives that move or select values without arithmetic (exact in any dtype). Fed to
 #: float32 ops they are not cast themselves: the cast waits for the op that computes.
@@ -123,7 +131,7 @@ def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe]:
 
 def known_primitives() -> set[str]:
   """The names of the primitives defined at the top level of every loaded module."""
-  names = set(DEFAULT_RULES) | set(HIGHER_ORDER) | set(JIT_NAMES)
+  names = set(DEFAULT_RULES) | set(HIGHER_ORDER) | set(P.JIT_NAMES)
   for module in list(sys.modules.values()):
     for value in list(getattr(module, "__dict__", {}).values()):
       if isinstance(value, Primitive):
@@ -219,31 +227,9 @@ def join(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
   ]
 
 
-def struct(x: Any, dtype: Any = None, weak: bool = False) -> jax.ShapeDtypeStruct:
-  """The abstract value of ``x`` (sharding and varying manual axes included), in ``dtype``.
-
-  Inside ``shard_map`` a value's type says over which mesh axes it varies (jax 0.10:
-  ``manual_axis_type``); a struct without it would make ``jax.eval_shape`` of a body
-  that mixes it with a varying value fail under ``check_vma``.
-  """
-  aval = jax.typeof(x)
-  sharding = getattr(aval, "sharding", None)
-  manual = getattr(aval, "manual_axis_type", None)
-  kwargs = {}
-  if manual is not None and not manual.empty:
-    kwargs["manual_axis_type"] = manual  # needs the manual mesh of the sharding with it
-  elif sharding is not None and not any(getattr(sharding, "spec", ())):
-    sharding = None  # replicated: let the context decide
-  return jax.ShapeDtypeStruct(
-    aval.shape, dtype or aval.dtype, sharding=sharding, weak_type=weak and aval.weak_type,
-    **kwargs,
-  )
-
-
 # ------------------------------------------------ higher-order primitives
-# Everything below reads JAX's equation parameters (jax 0.10: "jit", "remat2",
-# "custom_jvp_call", "custom_vjp_call", "scan", "while", "cond", "shard_map").
-# ``run(closed_or_jaxpr, args)`` evaluates a body under the autocast rules.
+# The equations' parameters come from jmp_scaler.jaxcompat._primitives (P), whatever the JAX
+# release calls them. ``run(closed_or_jaxpr, args)`` evaluates a body under the autocast rules.
 
 Run = Callable[[Any, Sequence[Any]], list]
 
@@ -261,17 +247,16 @@ def _loop_dtypes(body_carry: Callable, carry: Sequence[Any]) -> list[Any]:
 
 
 def _scan(run: Run, eqn, args):
-  p = eqn.params
-  body = p["jaxpr"]
-  consts, rest = args[: p["num_consts"]], args[p["num_consts"] :]
-  init, xs = rest[: p["num_carry"]], rest[p["num_carry"] :]
+  p = P.scan(eqn)
+  consts, rest = args[: p.num_consts], args[p.num_consts :]
+  init, xs = rest[: p.num_carry], rest[p.num_carry :]
   n = len(init)
 
   def raw(carry, x):
-    return run(body, [*consts, *carry, *x])
+    return run(p.body, [*consts, *carry, *x])
 
   def carry_avals(carry_structs):
-    x_structs = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in xs]
+    x_structs = [row_struct(x) for x in xs]
     return jax.eval_shape(raw, carry_structs, x_structs)[:n]
 
   dtypes = _loop_dtypes(carry_avals, init)
@@ -281,20 +266,18 @@ def _scan(run: Run, eqn, args):
     return [cast(o, d) for o, d in zip(out[:n], dtypes, strict=True)], out[n:]
 
   init = [cast(c, d) for c, d in zip(init, dtypes, strict=True)]
-  carry, ys = lax.scan(
-    step, init, list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-  )
+  carry, ys = lax.scan(step, init, list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll)
   return [*carry, *ys]
 
 
 def _while(run: Run, eqn, args):
-  p = eqn.params
-  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  p = P.while_loop(eqn)
+  nc, nb = p.cond_nconsts, p.body_nconsts
   cconsts, bconsts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
-  body = lambda carry: run(p["body_jaxpr"], [*bconsts, *carry])
+  body = lambda carry: run(p.body, [*bconsts, *carry])
   dtypes = _loop_dtypes(lambda c: jax.eval_shape(body, c), init)
   out = lax.while_loop(
-    lambda carry: run(p["cond_jaxpr"], [*cconsts, *carry])[0],
+    lambda carry: run(p.cond, [*cconsts, *carry])[0],
     lambda carry: [cast(o, d) for o, d in zip(body(carry), dtypes, strict=True)],
     [cast(c, d) for c, d in zip(init, dtypes, strict=True)],
   )
@@ -303,7 +286,7 @@ def _while(run: Run, eqn, args):
 
 def _cond(run: Run, eqn, args):
   index, ops = args[0], args[1:]
-  fns = [lambda *xs, b=b: run(b, xs) for b in eqn.params["branches"]]
+  fns = [lambda *xs, b=b: run(b, xs) for b in P.cond_branches(eqn)]
   shapes = [jax.eval_shape(f, *[struct(x) for x in ops]) for f in fns]
   dtypes = [widest(ds) for ds in zip(*[[s.dtype for s in out] for out in shapes], strict=True)]
   cast_out = lambda f: lambda *xs: [cast(o, d) for o, d in zip(f(*xs), dtypes, strict=True)]
@@ -311,27 +294,27 @@ def _cond(run: Run, eqn, args):
 
 
 def _remat(run: Run, eqn, args):
-  p = eqn.params
-  fn = lambda *xs: run(p["jaxpr"], xs)
-  return list(jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args))
+  p = P.remat(eqn)
+  fn = lambda *xs: run(p.body, xs)
+  return list(jax.checkpoint(fn, prevent_cse=p.prevent_cse, policy=p.policy)(*args))
 
 
 def _shard_map(run: Run, eqn, args):
-  p = eqn.params
+  p = P.shard_map(eqn)
   fn = jax.shard_map(
-    lambda *xs: tuple(run(p["jaxpr"], xs)),
-    mesh=p["mesh"],
-    in_specs=tuple(p["in_specs"]),
-    out_specs=tuple(p["out_specs"]),
-    axis_names=p["newly_manual_axes"],
-    check_vma=p["check_vma"],
+    lambda *xs: tuple(run(p.body, xs)),
+    mesh=p.mesh,
+    in_specs=p.in_specs,
+    out_specs=p.out_specs,
+    axis_names=p.axis_names,
+    check_vma=p.check_vma,
   )
   return list(fn(*args))
 
 
-def _named(fn: Callable, closed: ClosedJaxpr) -> Callable:
-  """``fn`` under the name of the function ``closed`` was traced from."""
-  name = getattr(closed.jaxpr.debug_info, "func_name", None)
+def _named(fn: Callable, body: Any) -> Callable:
+  """``fn`` under the name of the function the closed jaxpr ``body`` was traced from."""
+  name = getattr(body.jaxpr.debug_info, "func_name", None)
   if isinstance(name, str) and name:
     fn.__name__ = fn.__qualname__ = name.split(" ")[0]
   return fn
@@ -343,14 +326,13 @@ def _custom_jvp(run: Run, eqn, args):
   The JVP rule is the one the user wrote (traced to a jaxpr by JAX at the original
   dtypes); its primal outputs are cast to the function's and its tangents to theirs.
   """
-  p = eqn.params
-  call, nconsts, jvp_fun = p["call_jaxpr"], p["num_consts"], p["jvp_jaxpr_fun"]
-  fun = jax.custom_jvp(_named(lambda *xs: run(call, xs), call))
+  p = P.custom_jvp(eqn)
+  fun = jax.custom_jvp(_named(lambda *xs: run(p.call, xs), p.call))
 
   def rule(primals, tangents):
-    outs = jax.eval_shape(lambda *a: run(call, a), *[struct(x) for x in primals])
-    jvp_jaxpr, jvp_consts, out_zeros = jvp_fun.call_wrapped(*[False] * (len(primals) - nconsts))
-    res = run(ClosedJaxpr(jvp_jaxpr, jvp_consts), [*primals[nconsts:], *tangents[nconsts:]])
+    outs = jax.eval_shape(lambda *a: run(p.call, a), *[struct(x) for x in primals])
+    jvp_jaxpr, out_zeros = p.jvp([False] * (len(primals) - p.num_consts))
+    res = run(jvp_jaxpr, [*primals[p.num_consts :], *tangents[p.num_consts :]])
     nz = iter(res[len(out_zeros) :])
     tan = [
       jnp.zeros(o.shape, o.dtype) if z else cast(next(nz), o.dtype)
@@ -366,29 +348,23 @@ def _custom_jvp(run: Run, eqn, args):
 def _custom_vjp(run: Run, eqn, args):
   """``jax.custom_vjp`` rebuilt: the function, its forward and backward under autocast.
 
-  Cotangents of the inputs are cast to the inputs' (transformed) dtypes.
+  Cotangents of the inputs are cast to the inputs' (transformed) dtypes; the constants the
+  function closes over get zero cotangents, as JAX gives them.
   """
-  p = eqn.params
-  call, nconsts = p["call_jaxpr"], p["num_consts"]
-  fwd_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
-  fun = jax.custom_vjp(_named(lambda *xs: run(call, xs), call))
+  p = P.custom_vjp(eqn)
+  nconsts = p.num_consts
+  fun = jax.custom_vjp(_named(lambda *xs: run(p.call, xs), p.call))
   in_structs = [struct(x) for x in args]
 
   def fwd(*xs):
-    primals = xs[nconsts:]
-    fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*[True] * len(primals))
-    outs = run(ClosedJaxpr(fwd_jaxpr, fwd_consts), primals)
-    _, res_tree, input_fwds = out_trees()
-    n_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
-    res_out, prim_out = outs[:n_res], outs[n_res:]
-    it = iter(res_out)
-    res = [next(it) if f is None else primals[f] for f in input_fwds]
-    shapes = jax.eval_shape(lambda *a: run(call, a), *in_structs)
+    outs = run(p.fwd([True] * (len(xs) - nconsts)), xs[nconsts:])
+    res, prim_out = p.residuals(outs, xs)
+    shapes = jax.eval_shape(lambda *a: run(p.call, a), *in_structs)
     prim_out = [cast(o, s.dtype) for o, s in zip(prim_out, shapes, strict=True)]
     return prim_out, res
 
   def bwd_rule(res, cts):
-    flat = jax.make_jaxpr(lambda *a: bwd.call_wrapped(*a))(*res, *cts)
+    flat = jax.make_jaxpr(p.bwd)(*res, *cts)
     grads = run(flat, [*res, *cts])
     zeros = [jnp.zeros(s.shape, s.dtype) for s in in_structs[:nconsts]]
     return (*zeros, *[cast(g, s.dtype) for g, s in zip(grads, in_structs[nconsts:], strict=True)])
@@ -402,55 +378,11 @@ HIGHER_ORDER: dict[str, Callable] = {
   "scan": _scan,
   "while": _while,
   "cond": _cond,
-  "remat2": _remat,
-  "checkpoint": _remat,
+  **dict.fromkeys(P.REMAT_NAMES, _remat),
   "shard_map": _shard_map,
   "custom_jvp_call": _custom_jvp,
   "custom_vjp_call": _custom_vjp,
 }
-
-#: The names of the primitive that ``jax.jit`` binds (its body is a ``ClosedJaxpr``).
-JIT_NAMES = ("jit", "pjit")
-
-
-def jit_body(eqn) -> ClosedJaxpr:
-  return eqn.params["jaxpr"]
-
-
-def jit_name(eqn) -> str:
-  return str(eqn.params.get("name", ""))
-
-
-def rebind_jit(eqn, body: ClosedJaxpr, args: Sequence[Any]) -> list:
-  """Binds ``eqn``'s jit primitive with a new body (same shardings, donations, name)."""
-  return list(eqn.primitive.bind(*args, **{**eqn.params, "jaxpr": body}))
-
-
-def bind_params(primitive: Any, params: dict) -> dict:
-  """The keyword arguments of ``primitive.bind`` for an equation's ``params``."""
-  return primitive.get_bind_params(params)
-
-
-def as_closed(jaxpr: Any) -> ClosedJaxpr:
-  return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, [])
-
-
-def is_jaxpr(x: Any) -> bool:
-  return isinstance(x, (ClosedJaxpr, Jaxpr))
-
-
-def call_body(eqn) -> Jaxpr | None:
-  """The body of a call-like equation (``jit``, ``custom_jvp_call``, ``custom_vjp_call``,
-  ``checkpoint``) whose inputs are the equation's, one to one; None for any other."""
-  name, p = eqn.primitive.name, eqn.params
-  if name in JIT_NAMES or name in ("remat2", "checkpoint"):
-    body = p["jaxpr"]
-  elif name in ("custom_jvp_call", "custom_vjp_call"):
-    body = p["call_jaxpr"]
-  else:
-    return None
-  return body.jaxpr if isinstance(body, ClosedJaxpr) else body
-
 
 # ------------------------------------------------ scatters
 # jnp's ``x.at[i].add(v)`` (and .set/.mul/.min/.max) is a scatter whose combiner is a

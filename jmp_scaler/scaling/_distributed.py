@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_scaler._leaves import is_floating
+from jmp_scaler.jaxcompat._types import mark_varying, varying_axes
 from jmp_scaler.scaling._lookup import find_scale_state
 from jmp_scaler.scaling._scaler import LossScaleState
 
@@ -26,18 +27,6 @@ def _names(axis_name: Hashable | None) -> frozenset:
   if axis_name is None:
     return frozenset()
   return frozenset(axis_name) if isinstance(axis_name, tuple) else frozenset([axis_name])
-
-
-def varying_axes(x: Any) -> frozenset:
-  """Mesh axes along which ``x`` (array or ShapeDtypeStruct) differs between devices.
-
-  As ``shard_map`` tracks them (``check_vma=True``); empty elsewhere.
-  """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-  if manual is not None:
-    return frozenset(getattr(manual, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()))  # earlier jax
 
 
 def match_varying(x: jax.Array, like: Any) -> jax.Array:
@@ -52,12 +41,7 @@ def match_varying(x: jax.Array, like: Any) -> jax.Array:
       x = jnp.asarray(x)
     else:
       x = jnp.asarray(x, like.dtype)
-  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
-  if not missing:
-    return x
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, missing, to="varying")
-  return jax.lax.pvary(x, missing)  # older jax
+  return mark_varying(x, tuple(sorted(varying_axes(like) - varying_axes(x))))
 
 
 def check_axis_name(grads: Any, opt_state: Any) -> None:

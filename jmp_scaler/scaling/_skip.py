@@ -16,17 +16,15 @@ once, which finds the scaler's state (``_lookup``) and asks the scaler
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import optax
-from jax.extend import source_info_util
-from jax.extend.core import Literal
 
+from jmp_scaler.jaxcompat import _jaxpr as J
+from jmp_scaler.jaxcompat import _source as S
 from jmp_scaler.scaling._distributed import match_varying
 from jmp_scaler.scaling._lookup import find_scale_state, replace_scale_state
 from jmp_scaler.scaling._scaler import FINITE_KEY, LossScaleState, decide
@@ -106,7 +104,7 @@ def apply_or_skip(
   """
   closed, shapes = jax.make_jaxpr(lambda: apply(True), return_shape=True)()
   treedef = jax.tree.structure(shapes)
-  run = jax.extend.core.jaxpr_as_fun(closed)
+  run = J.run_closed(closed)
 
   def applied():
     return jax.tree.unflatten(treedef, run())
@@ -134,7 +132,7 @@ def _eval_selecting(closed: Any, finite: jax.Array, kept: list) -> list:
   back by the parameter update, as in a step without a scaler.
   """
   jaxpr = closed.jaxpr
-  is_var = lambda v: not isinstance(v, Literal)  # noqa: E731
+  is_var = lambda v: not J.is_literal(v)  # noqa: E731
   outvars = [v for v in jaxpr.outvars if is_var(v)]
   at = {v: i for i, v in enumerate(jaxpr.outvars) if is_var(v) and outvars.count(v) == 1}
   env: dict[Any, Any] = {}  # what the later equations read
@@ -150,17 +148,14 @@ def _eval_selecting(closed: Any, finite: jax.Array, kept: list) -> list:
         env[v] = chosen[v]
 
   def read(v):
-    return v.val if isinstance(v, Literal) else env[v]
+    return J.read_literal(v, env)
 
   for v, x in zip(jaxpr.constvars, closed.consts, strict=True):
     write(v, x)
   for eqn in jaxpr.eqns:
-    info = eqn.source_info
-    ctx = getattr(eqn, "ctx", None)  # the equation's context (e.g. its sharding mesh)
-    manager = ctx.manager if ctx is not None else contextlib.nullcontext()
-    with source_info_util.user_context(info.traceback, name_stack=info.name_stack), manager:
-      outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
-    for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs], strict=True):
+    with S.user_context(eqn, with_ctx=True):  # its source line and its context (its mesh)
+      outs = J.bind(eqn, [read(v) for v in eqn.invars])
+    for v, x in zip(eqn.outvars, outs, strict=True):
       write(v, x)
   return [
     chosen[v] if is_var(v) and v in at else jnp.where(finite, read(v), k)
