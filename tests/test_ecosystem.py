@@ -380,6 +380,18 @@ def test_the_lowest_versions_ci_installs_are_the_declared_floors():
   assert "-c .ci/lowest.txt" in ci and 'python -m pytest -m "not slow"' in ci
 
 
+def test_no_declared_range_excludes_the_newest_release_and_ci_tests_it_on_python_3_13():
+  # An upper bound would make pip take a user's JAX or Flax back, and a lockfile refuse.
+  assert all(cap is None for _, cap in _floors()[1].values())
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert "bash .ci/python313.sh" in ci and "stack=(jax jaxlib flax optax orbax-checkpoint)" in ci
+  assert 'pip install --quiet --upgrade "${stack[@]}"' in ci and ".ci/unchanged.py" in ci
+  assert ci.rstrip().splitlines()[-2:] == [
+      "status=$? && [ \"$status\" -eq 0 ] || exit \"$status\"",
+      'echo "ci: newest job took $((SECONDS - started)) s"']  # fmt: skip
+  assert ci.count("python -m pytest\n") == 2  # the whole suite: main job and newest job
+
+
 def test_the_installed_versions_are_inside_the_declared_ranges():
   for name, (floor, cap) in _floors()[1].items():
     installed = _version(importlib.metadata.version(name))
