@@ -236,7 +236,8 @@ def _optax_adamw_run():
 
 @pytest.mark.parametrize("stochastic", [True, False])
 def test_adamw_in_bfloat16_tracks_float32(stochastic):
-  tx = optax.chain(adamw(1e-2, stochastic_moments=stochastic), stochastic_round(0))
+  tx = optax.chain(adamw(1e-2, state_dtype=jnp.bfloat16, stochastic_moments=stochastic),
+                   stochastic_round(0))
   ours, s = jax.jit(lambda: _quadratic_run(tx, jnp.bfloat16))()
   theirs = _optax_adamw_run()
   assert ours.dtype == jnp.bfloat16
@@ -246,7 +247,8 @@ def test_adamw_in_bfloat16_tracks_float32(stochastic):
 
 def test_stochastic_moments_follow_a_slow_decay_of_nu():
   """b2=0.999: nu * 0.999 rounds back to nu to nearest; stochastically it decays."""
-  tx = {s: scale_by_adam(b2=0.999, stochastic_moments=s) for s in (True, False)}
+  tx = {s: scale_by_adam(b2=0.999, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16,
+                         stochastic_moments=s) for s in (True, False)}  # fmt: skip
   g = jnp.ones(512, jnp.bfloat16)
 
   def run(tx):
@@ -459,3 +461,17 @@ def test_eight_devices_details(worker):
   assert worker["block_bits"] == {"equal_to_global": True, "distinct_blocks": 8}
   # without param_specs, shard_map's blocks draw local-index bits: a different run
   assert worker["shard_map_8_no_specs"]["params"] != worker["reference"]["params"]
+
+
+@pytest.mark.parametrize("make", [lambda: adam(1e-3), lambda: adamw(1e-3), scale_by_adam],
+                         ids=["adam", "adamw", "scale_by_adam"])  # fmt: skip
+def test_the_optax_names_store_moments_at_least_in_float32_unless_asked(make):
+  # Swapping optax.adam for jmp_scaler.adam must not lower the state's precision: 16-bit
+  # moments only when a 16-bit dtype is asked for (or low_precision_optimizer, named so).
+  params = {"bf16": jnp.ones(2, jnp.bfloat16), "f16": jnp.ones(2, jnp.float16),
+            "f32": jnp.ones(2), "c64": jnp.ones(2, jnp.complex64)}  # fmt: skip
+  state = optax.tree.get(make().init(params), "nu")
+  assert {k: v.dtype.name for k, v in state.items()} == {
+      "bf16": "float32", "f16": "float32", "f32": "float32", "c64": "complex64"}
+  asked = adam(1e-3, state_dtype=jnp.bfloat16).init({"w": jnp.ones(2)})
+  assert optax.tree.get(asked, "mu")["w"].dtype == jnp.bfloat16

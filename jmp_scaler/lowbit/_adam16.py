@@ -2,8 +2,11 @@
 
 optax's ``scale_by_adam`` has ``mu_dtype`` but no dtype for the second moment
 (optax#1552, maxtext PR#1437). Here both moments are stored in a chosen dtype
-(bfloat16 by default), the arithmetic is optax's own (its ``update_moment``
-and ``bias_correction``, in its order) in float32, and the stored moments can
+(at least float32 unless asked: the names are optax's, and swapping ``optax.adam``
+for ``jmp_scaler.adam`` must not lower the optimizer state's precision behind the
+user's back; ``low_precision_optimizer``, whose name says it, stores bfloat16),
+the arithmetic is optax's own (its ``update_moment`` and ``bias_correction``, in
+its order) in float32, and the stored moments can
 be rounded stochastically: with ``b2 = 0.999`` the relative change of ``nu``
 per step (1e-3) is below half a bfloat16 ulp (2e-3), so round-to-nearest
 freezes ``nu`` where stochastic rounding follows it on average. With float32
@@ -44,14 +47,24 @@ class _StateDtype:
     return "state_dtype"
 
 
+class _AtLeastFloat32:
+  """The default moment dtype: float32, or the parameter's dtype where it is wider or complex
+  (float64, complex64): a moment never holds less than float32 unless a dtype is asked for."""
+
+  def __repr__(self) -> str:
+    return "float32 or wider"
+
+
 _FROM_STATE_DTYPE = _StateDtype()
+AT_LEAST_FLOAT32 = _AtLeastFloat32()
 
 
-def _dtype(name: str, value: Any, allowed: tuple[np.dtype, ...], why: str = "") -> np.dtype | None:
-  """``value`` as an allowed dtype, or ``None`` (each parameter's dtype, optax's rule)."""
+def _dtype(name: str, value: Any, allowed: tuple[np.dtype, ...], why: str = "") -> Any:
+  """``value`` as an allowed dtype, ``None`` (each parameter's dtype, optax's rule) or
+  :data:`AT_LEAST_FLOAT32`."""
   names = [a.name for a in allowed] + [None]
-  if value is None:
-    return None
+  if value is None or value is AT_LEAST_FLOAT32:
+    return value
   try:
     d = np.dtype(value)
   except TypeError as e:
@@ -67,9 +80,12 @@ def _rate(name: str, value: Any) -> float:
   return float(value)
 
 
-def _moment_dtype(name: str, dtype: np.dtype | None, p: Any) -> np.dtype:
+def _moment_dtype(name: str, dtype: Any, p: Any) -> np.dtype:
   """The dtype one moment of parameter ``p`` is stored in; refuses what cannot hold it."""
   p_dtype = np.dtype(jnp.result_type(p))
+  if dtype is AT_LEAST_FLOAT32:
+    inexact = jnp.issubdtype(p_dtype, jnp.inexact)
+    return np.dtype(jnp.promote_types(p_dtype, jnp.float32) if inexact else jnp.float32)
   d = p_dtype if dtype is None else dtype
   if not jnp.issubdtype(d, jnp.inexact):
     raise ValueError(f"{name}=None follows the parameters' dtype, but a parameter is {p_dtype}: "
@@ -106,14 +122,14 @@ def scale_by_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Any = jnp.bfloat16,
+    mu_dtype: Any = AT_LEAST_FLOAT32,
     *,
-    nu_dtype: Any = jnp.bfloat16,
+    nu_dtype: Any = AT_LEAST_FLOAT32,
     stochastic_moments: bool = True,
     seed: int = 0,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
-  """optax's ``scale_by_adam`` with both moments stored in 16 bits.
+  """optax's ``scale_by_adam`` with each moment stored in a dtype of its own (16 bits if asked).
 
   Every step, with optax's own ``optax.tree.update_moment``,
   ``update_moment_per_elem_norm`` and ``bias_correction``, in optax's order,
@@ -138,8 +154,10 @@ def scale_by_adam(
     eps_root: added inside the square root, >= 0.
     mu_dtype: float32, bfloat16, float16, or ``None``: each parameter's
       dtype, as in optax (kept across steps, so the state never changes
-      dtype).
-    nu_dtype: float32, bfloat16, or ``None`` (each parameter's dtype).
+      dtype). Default: float32, or the parameter's dtype where it is wider
+      or complex (never less precise than float32 unless asked).
+    nu_dtype: float32, bfloat16, or ``None`` (each parameter's dtype);
+      the same default as ``mu_dtype``.
       float16 is refused: ``g**2`` of a gradient below 2.4e-4 underflows
       float16's normal range, and the update ``mu / (sqrt(nu) + eps)`` then
       explodes.
@@ -229,25 +247,28 @@ def adam(
     mu_dtype: Any = _FROM_STATE_DTYPE,
     *,
     nu_dtype: Any = _FROM_STATE_DTYPE,
-    state_dtype: Any = jnp.bfloat16,
+    state_dtype: Any = AT_LEAST_FLOAT32,
     stochastic_moments: bool = True,
     seed: int = 0,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
-  """``optax.adam`` with its moments in ``state_dtype`` (bfloat16 by default).
+  """``optax.adam`` with its moments in ``state_dtype`` (float32 unless asked: pass
+  ``state_dtype=jnp.bfloat16`` for 16-bit moments).
 
   Same arguments, in the same order, and the same update as ``optax.adam``
   (no ``nesterov``), plus those of :func:`scale_by_adam`. ``state_dtype``
   sets both moments' dtype; ``mu_dtype`` and ``nu_dtype``, where given,
   override it, and ``mu_dtype=None`` follows the parameters' dtype, as in
-  optax. With ``state_dtype=jnp.float32`` (and float32 gradients) the updates
-  and the state are ``optax.adam``'s, bit for bit.
+  optax. With float32 parameters and gradients and the default ``state_dtype``
+  (float32, or the parameter's dtype where it is wider or complex) the updates and
+  the state are ``optax.adam``'s, bit for bit.
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> tx = adam(1e-3)
-    >>> state = tx.init({"w": jnp.ones(3, jnp.bfloat16)})
-    >>> state[0].nu["w"].dtype
+    >>> adam(1e-3).init({"w": jnp.ones(3, jnp.bfloat16)})[0].nu["w"].dtype
+    dtype('float32')
+    >>> tx = adam(1e-3, state_dtype=jnp.bfloat16)
+    >>> tx.init({"w": jnp.ones(3, jnp.bfloat16)})[0].nu["w"].dtype
     dtype(bfloat16)
   """
   mu_dtype, nu_dtype = _moment_dtypes(mu_dtype, nu_dtype, state_dtype)
@@ -269,12 +290,13 @@ def adamw(
     mask: Any = None,
     *,
     nu_dtype: Any = _FROM_STATE_DTYPE,
-    state_dtype: Any = jnp.bfloat16,
+    state_dtype: Any = AT_LEAST_FLOAT32,
     stochastic_moments: bool = True,
     seed: int = 0,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
-  """``optax.adamw`` with its moments in ``state_dtype`` (bfloat16 by default).
+  """``optax.adamw`` with its moments in ``state_dtype`` (float32 unless asked, as
+  :func:`adam`).
 
   Same arguments, in the same order, and the same update as ``optax.adamw``
   (no ``nesterov``), plus those of :func:`scale_by_adam`; the moments' dtypes
@@ -282,7 +304,8 @@ def adamw(
   with :func:`jmp_scaler.stochastic_round` (or use
   :func:`low_precision_optimizer`)::
 
-    tx = optax.chain(jmp_scaler.adamw(1e-3), jmp_scaler.stochastic_round())
+    tx = optax.chain(jmp_scaler.adamw(1e-3, state_dtype=jnp.bfloat16),
+                     jmp_scaler.stochastic_round())
 
   Examples:
     >>> import jax.numpy as jnp, optax

@@ -218,7 +218,8 @@ def stochastic_round(seed: int = 0, *, param_specs: Any = None) -> optax.Gradien
 
   Put it **last** in the chain; it needs ``params``::
 
-    tx = optax.chain(jmp_scaler.adamw(1e-3), jmp_scaler.stochastic_round(seed=0))
+    tx = optax.chain(jmp_scaler.adamw(1e-3, state_dtype=jnp.bfloat16),
+                     jmp_scaler.stochastic_round(seed=0))
 
   For every bfloat16 or float16 parameter leaf::
 
@@ -302,7 +303,8 @@ def kahan_summation() -> optax.GradientTransformation:
 
   Put it **last** in the chain; it needs ``params``::
 
-    tx = optax.chain(jmp_scaler.adamw(1e-3), jmp_scaler.kahan_summation())
+    tx = optax.chain(jmp_scaler.adamw(1e-3, state_dtype=jnp.bfloat16),
+                     jmp_scaler.kahan_summation())
 
   For every floating parameter leaf, with ``c`` the compensation buffer
   (same dtype as ``p``, zero at init)::
