@@ -13,6 +13,7 @@ from flax import nnx
 
 from jmp_scaler.diagnostics._nonfinite import nonfinite_report
 from jmp_scaler.diagnostics._underflow import underflow_report
+from jmp_scaler.precision._policy import get_policy
 from jmp_scaler.scaling import _scaler
 from jmp_scaler.scaling._accumulate import accumulate_gradients
 from jmp_scaler.scaling._lookup import get_scale
@@ -305,3 +306,16 @@ def test_cond_and_select_skip_alike_and_agree_to_rounding_with_adam_and_apply_up
   # fuses, and a conditional's branch fuses differently from a select.
   for a, b in zip(jax.tree.leaves(cond.params), jax.tree.leaves(select.params), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", ["p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32", "f32"])
+def test_policy_loss_scaler_keeps_bare_under_every_policy(spec, monkeypatch):
+  # bf16 and f32 policies give no_scale(): it takes bare=True too, or the warning the
+  # argument exists to silence fires anyway.
+  policy = get_policy(spec)
+  params = jnp.ones(2)
+  for bare, expected in ((True, 0), (False, 1)):
+    tx = optax.chain(policy.loss_scaler(bare=bare), optax.sgd(1.0))
+    state = tx.init(params)
+    caught = _bare_warnings(lambda t=tx, s=state: t.update(jnp.ones(2), s, params), monkeypatch)
+    assert len(caught) == expected, (spec, bare)

@@ -134,8 +134,8 @@ class Policy:
 
     Args:
       **kwargs: :func:`jmp_scaler.dynamic_scale`'s arguments. They are
-        validated under every policy; without float16 only ``axis_name``
-        and ``skip_mode`` apply (the others configure a dynamic scale).
+        validated under every policy; without float16 only ``axis_name``,
+        ``skip_mode`` and ``bare`` apply (the others configure a dynamic scale).
 
     Returns:
       The scaler, an ``optax.GradientTransformationExtraArgs``.
@@ -143,7 +143,7 @@ class Policy:
     scaler = dynamic_scale(**kwargs)  # validates kwargs under every policy
     if self.needs_loss_scaling:
       return scaler
-    shared = {k: kwargs[k] for k in ("axis_name", "skip_mode") if k in kwargs}
+    shared = {k: kwargs[k] for k in ("axis_name", "skip_mode", "bare") if k in kwargs}
     return no_scale(**shared)
 
   def optimizer(self, learning_rate: Any, **kwargs: Any) -> optax.GradientTransformation:
