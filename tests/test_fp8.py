@@ -252,6 +252,48 @@ def test_error_against_float32_is_flat_across_input_scales():
   assert naive[0] > 0.3 and naive[2] > 0.3, naive  # underflow at 2**-10, clipping at 2**10
 
 
+def _rel(y, ref):
+  return float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
+
+
+@functools.cache
+def _rounding_cases():
+  """(label, output dtype, recipe, scale, result, float64 product of the quantised operands)
+  for every output dtype, both kinds of scale and input scales 2^-10, 1 and 2^10, computed as
+  one program. bfloat16 and float32: both operands at the input scale; float16: the lhs only,
+  so that the product stays inside float16's normal range (2^-14 to 65504)."""
+  rng = np.random.default_rng(3)
+  a0, b0 = rng.normal(size=(128, 256)), rng.normal(size=(256, 96)) / 16
+  cases = []
+  for out in (BF16, F16, F32):
+    for pow2 in (False, True):
+      for scale in (2.0**-10, 1.0, 2.0**10):
+        a = np.asarray(a0 * scale, np.float32)
+        b = np.asarray(b0 * (1.0 if out == F16 else scale), np.float32)
+        cases.append((out, jmp_scaler.Fp8Recipe(use_power_2_scales=pow2), scale, a, b))
+  run = fast_jit(lambda ab: [jmp_scaler.fp8_dot_general(
+      a, b, DN, preferred_element_type=out, recipe=r) for (out, r, *_), (a, b) in zip(
+          cases, ab, strict=True)])  # fmt: skip
+  ys = run([(a, b) for *_, a, b in cases])
+  return [(out, r, scale, y, _np_quantized(a, E4M3, r) @ _np_quantized(b, E4M3, r))
+          for (out, r, scale, a, b), y in zip(cases, ys, strict=True)]  # fmt: skip
+
+
+def test_the_scale_is_applied_in_float32_and_the_product_rounded_once_at_every_input_scale():
+  # The error against the float64 product of the same fp8 operands is the output dtype's own
+  # rounding of that product: no bfloat16-rounded factor (2^-9 relative, one sign everywhere).
+  k = 256
+  for out, recipe, scale, y, ref in _rounding_cases():
+    assert y.dtype == out
+    own = _rel(np.asarray(ref, out), ref)  # rounding the exact product to the output dtype
+    err = _rel(y, ref)
+    # float32: the float32 sum of k products adds up to sqrt(k) roundings of its own.
+    slack = np.sqrt(k) * 2.0**-24 if out == F32 else 1e-3 * own
+    assert err <= own + slack, (out, recipe.use_power_2_scales, scale, err, own)
+    if out == BF16:  # about 1e-3: bfloat16's own rounding, nothing added
+      assert 1e-3 < err < 2e-3, (recipe.use_power_2_scales, scale, err)
+
+
 # ---------------------------------------------------------- the GPU pattern
 
 _DOT = re.compile(r"(%[\w#]+) = stablehlo\.dot_general (%[\w#]+), (%[\w#]+),.*: "
@@ -281,40 +323,66 @@ def _definition(lines, j, name):
   return ""
 
 
+def _users(lines, i, name):
+  """The lines that use ``name``, defined on line ``i``: those of its own region after it."""
+  users = []
+  for j in range(i + 1, len(lines)):
+    if lines[j].strip() and _indent(lines[j]) < _indent(lines[i]):
+      break  # the end of the region
+    if re.search(re.escape(name) + r"(?![\w#])", lines[j]):
+      users.append(j)
+  return users
+
+
+_SCALAR = re.compile(r"stablehlo\.broadcast_in_dim %[\w#]+, dims = \[\] : \(tensor<(\w+)>\)")
+_CONVERT = re.compile(r"(%[\w#]+) = stablehlo\.convert (%[\w#]+) : \(tensor<[^>]*>\) -> "
+                      r"tensor<([^>]*)>")
+
+
 def _dots(text):
-  """Every ``dot_general`` of a StableHLO module: operand and result dtypes, and whether its
-  one consumer is a multiply by a broadcast scalar (what gemm_rewriter folds into the GEMM).
-  Names are resolved by region: the users of a dot are the lines of its own region after it."""
+  """Every ``dot_general`` of a StableHLO module: its operand and result dtypes; ``scale``, the
+  dtype of the broadcast scalar that multiplies it when that multiply is its one consumer (what
+  gemm_rewriter folds into the fp8 GEMM), else None; ``out``, the dtype after a float32
+  multiply and the cast that is its one consumer, if any (a cast of an f32 result reads as
+  the op's own: a StableHLO module does not say who wrote it). Names are resolved by region: the
+  users of a value are the lines of its own region after it."""
   found = []
   lines = text.splitlines()
   for i, ln in enumerate(lines):
     m = _DOT.search(ln)
     if not m:
       continue
-    name, users = m.group(1), []
-    for j in range(i + 1, len(lines)):
-      if lines[j].strip() and _indent(lines[j]) < _indent(ln):
-        break  # the end of the dot's region
-      if re.search(re.escape(name) + r"(?![\w#])", lines[j]):
-        users.append(j)
-    scaled = False
-    if len(users) == 1 and "stablehlo.multiply" in lines[users[0]]:
+    name, users = m.group(1), _users(lines, i, m.group(1))
+    scale, out = None, _elem(m.group(6))
+    mul = re.match(r"\s*(%[\w#]+) = stablehlo\.multiply ", lines[users[0]]) if len(
+        users) == 1 else None
+    if mul:
       use = lines[users[0]]
       other = [o for o in re.findall(r"%[\w#]+", use.split("=", 1)[1]) if o != name]
-      src = _definition(lines, users[0], other[0]) if len(other) == 1 else ""
-      scaled = bool(re.search(r"stablehlo\.broadcast_in_dim %[\w#]+, dims = \[\] : "
-                              r"\(tensor<(f32|bf16)>\)", src))
+      src = _SCALAR.search(_definition(lines, users[0], other[0])) if len(other) == 1 else None
+      scale = src.group(1) if src else None
+      after = _users(lines, users[0], mul.group(1))
+      conv = _CONVERT.search(lines[after[0]]) if len(after) == 1 else None
+      if scale == "f32" and conv and conv.group(2) == mul.group(1):
+        out = _elem(conv.group(3))
     found.append({"operands": (_elem(m.group(4)), _elem(m.group(5))),
-                  "result": _elem(m.group(6)), "scaled": scaled})
+                  "result": _elem(m.group(6)), "scale": scale, "scaled": scale is not None,
+                  "out": out})
   return found
 
 
-def _assert_every_dot_is_an_fp8_gemm(dots, expected):
+def _assert_every_dot_is_an_fp8_gemm(dots, expected, pow2=False):
+  """Every dot is gemm_rewriter's fp8 GEMM with its scale applied in float32 before the one
+  rounding to the output dtype: ``dot(f8, f8) -> f32``, times a broadcast float32 scalar,
+  then an optional cast. With power-of-two scales a bfloat16 GEMM result times a bfloat16
+  scalar (exact) is the same product, and is accepted too."""
   assert len(dots) == expected, dots
   for d in dots:
     assert all(o.startswith("f8E") for o in d["operands"]), d  # no 16/32-bit dot is left
     assert d["operands"] != ("f8E5M2", "f8E5M2"), d
-    assert d["result"] in ("f32", "bf16") and d["scaled"], d
+    forms = [("f32", "f32")] + [("bf16", "bf16")] * pow2
+    assert (d["result"], d["scale"]) in forms, d
+    assert d["out"] in ("f32", "bf16", "f16"), d
 
 
 class DenseStack(nn.Module):
@@ -358,12 +426,39 @@ def _grad_text(model, x, transform=lambda apply: apply):
 def test_every_dot_of_a_dense_stack_forward_dgrad_wgrad_is_the_fp8_gemm_pattern(dtype):
   dots = _dots(_grad_text(DenseStack(dtype=dtype), jnp.ones((2, 4, 8))))
   _assert_every_dot_is_an_fp8_gemm(dots, expected=9)  # 3 layers x (forward, dgrad, wgrad)
-  assert {d["result"] for d in dots} == {"bf16" if dtype else "f32"}
+  assert {d["out"] for d in dots} == {"bf16" if dtype else "f32"}
 
 
 def test_every_dot_of_an_attention_block_with_multi_dimensional_einsums_is_fp8():
   dots = _dots(_grad_text(Attention(), jnp.ones((2, 4, 8))))
   _assert_every_dot_is_an_fp8_gemm(dots, expected=18)  # 6 sites x 3
+
+
+def test_power_of_two_scales_take_a_bfloat16_gemm_result_and_scale_exactly():
+  # The factor is a power of two, exact in bfloat16: the GEMM's result can be bfloat16.
+  pow2 = functools.partial(DOT, recipe=jmp_scaler.Fp8Recipe(use_power_2_scales=True))
+  dots = _dots(_grad_text(DenseStack(dtype=jnp.bfloat16, dot=pow2), jnp.ones((2, 4, 8))))
+  _assert_every_dot_is_an_fp8_gemm(dots, expected=9, pow2=True)
+  assert {(d["result"], d["scale"], d["out"]) for d in dots} == {("bf16", "bf16", "bf16")}
+  with pytest.raises(AssertionError):  # refused where the factor is not a power of two
+    _assert_every_dot_is_an_fp8_gemm(dots, expected=9)
+
+
+def _bf16_factor_dot(a, b, dn, precision=None, preferred_element_type=None, **kw):
+  """The form before: the fp8 GEMM's bfloat16 result times the factor rounded to bfloat16."""
+  recipe = jmp_scaler.Fp8Recipe()
+  (qa, ia), (qb, ib) = quantize(a, E4M3, recipe), quantize(b, E4M3, recipe)
+  y = lax.dot_general(qa, qb, dn, preferred_element_type=jnp.bfloat16)
+  return y * lax.stop_gradient(ia * ib).astype(jnp.bfloat16)  # as the op's own backward
+
+
+def test_the_pattern_check_catches_a_bfloat16_factor():
+  dots = _dots(_grad_text(DenseStack(dtype=jnp.bfloat16, dot=_bf16_factor_dot),
+                          jnp.ones((2, 4, 8))))
+  fwd = [d for d in dots if d["operands"] == ("f8E4M3FN", "f8E4M3FN")]
+  assert fwd and all((d["result"], d["scale"]) == ("bf16", "bf16") for d in fwd), fwd
+  with pytest.raises(AssertionError):
+    _assert_every_dot_is_an_fp8_gemm(fwd, expected=len(fwd))
 
 
 def test_the_pattern_check_catches_a_16_bit_dot():

@@ -76,14 +76,14 @@ def raw(w, x):
   return jnp.dot(h, w.T)
 
 
-@pytest.mark.parametrize("policy, result", [(BF16, "bf16"), (F16, "f32"), (F32, "f32")])
-def test_matmul_einsum_and_dot_run_in_fp8_under_every_policy(policy, result):
+@pytest.mark.parametrize("policy, out", [(BF16, "bf16"), (F16, "f16"), (F32, "f32")])
+def test_matmul_einsum_and_dot_run_in_fp8_under_every_policy(policy, out):
   fn = jmp_scaler.autocast(raw, policy, rules=FP8)
   dots = _dots(_lowered(jax.grad(lambda w, x: jnp.sum(fn(w, x) ** 2), (0, 1)), W, X))
   _assert_every_dot_is_an_fp8_gemm(dots, expected=9)
-  # The forward GEMMs give the compute dtype (float16: computed in float32, then cast).
+  # The forward GEMMs give the compute dtype: computed in float32, scaled in float32, then cast.
   fwd = _dots(_lowered(fn, W, X))
-  assert {d["result"] for d in fwd} == {result} and len(fwd) == 3
+  assert [(d["result"], d["scale"], d["out"]) for d in fwd] == [("f32", "f32", out)] * 3
   assert jax.eval_shape(fn, W, X).dtype == jnp.float32  # o=f32
 
 

@@ -3,10 +3,11 @@
 :func:`fp8_dot_general` has :func:`jax.lax.dot_general`'s signature. Each call
 scales each operand by its own amax (no state: nothing to checkpoint, skip or
 synchronise), casts it to float8, and runs one ``dot_general`` of float8
-operands whose float32 or bfloat16 result is multiplied by a broadcast scalar:
-the pattern XLA:GPU's ``gemm_rewriter`` turns into one cuBLASLt fp8 GEMM with
-the scale folded in. The backward pass (a ``custom_vjp``) casts the output
-gradient to E5M2 and reuses the saved float8 operands.
+operands whose float32 result is multiplied by a broadcast float32 scalar and
+then cast to the result dtype: the pattern XLA:GPU's ``gemm_rewriter`` turns
+into one cuBLASLt fp8 GEMM with the scale folded in, rounded once. The backward
+pass (a ``custom_vjp``) casts the output gradient to E5M2 and reuses the saved
+float8 operands.
 
 The scaling rule (TransformerEngine's ``Float8CurrentScaling``, torchao's
 ``amax_to_scale``), per tensor ``x``, in float32::
@@ -17,9 +18,10 @@ The scaling rule (TransformerEngine's ``Float8CurrentScaling``, torchao's
   s = 2**floor(log2(s)) if use_power_2_scales
   q = clip(x * s, -fp8_max, fp8_max).astype(fp8)   # x == q / s, to fp8's precision
 
-and ``dot(x, w) = dot(q_x, q_w) * (1/s_x * 1/s_w)``. An inf or NaN in ``x``
-makes ``amax`` non-finite, ``s`` 0 or NaN and the result non-finite: it is
-never clipped to 448, so a loss scaler sees the overflow and skips the step.
+and ``dot(x, w) = dot(q_x, q_w) * (1/s_x * 1/s_w)``, in float32, rounded once
+to the result dtype. An inf or NaN in ``x`` makes ``amax`` non-finite, ``s`` 0
+or NaN and the result non-finite: it is never clipped to 448, so a loss scaler
+sees the overflow and skips the step.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ class Fp8Recipe:
       ``DelayedScaling.margin``; under current scaling the amax is exact, so
       0 is the usual choice).
     use_power_2_scales: round each scale down to a power of two, so that
-      scaling and unscaling are exact (TE's ``use_power_2_scales``).
+      scaling and unscaling are exact (TE's ``use_power_2_scales``) and a
+      bfloat16 result comes straight from the GEMM (the factor is exact in
+      bfloat16).
     amax_epsilon: a non-negative float32: the amax is at least this (TE's
       ``amax_epsilon``; torchao uses 1e-12). With 0, an all-zero tensor gets
       the scale 1 (and a zero result, never NaN).
@@ -197,13 +201,21 @@ def _explicit_sharding(like: jax.Array) -> Any:
   return jax.typeof(like).sharding
 
 
-def _scaled_dot(qa, qb, factor, dims, out_dtype, out_sharding=None):
-  """``dot_general(qa, qb) * factor``: the fp8 GEMM and the scalar XLA:GPU folds into it.
+def _scaled_dot(qa, qb, factor, dims, out_dtype, out_sharding=None, pow2=False):
+  """``dot_general(qa, qb) * factor``, rounded once to ``out_dtype``: the fp8 GEMM and the
+  float32 scalar XLA:GPU folds into it.
 
-  float16 results are computed in float32 and cast: the unscaled product of
-  two fp8 tensors reaches ``448**2 * k``, past float16's range.
+  The GEMM's result is float32 and is multiplied by the float32 ``factor`` before it is
+  cast to ``out_dtype``: ``convert(dot(qa, qb) -> f32 * broadcast(factor: f32))``. XLA:GPU's
+  ``gemm_rewriter`` folds the multiply into the cuBLASLt fp8 GEMM as its float32 scale
+  (``F8ScaleD``); the cast is an elementwise op after it. A bfloat16 factor would be rounded
+  to 8 significant bits, the same relative error in every element. float16 results need the
+  float32 product anyway: the unscaled product of two fp8 tensors reaches ``448**2 * k``.
+  With power-of-two scales (``pow2``) the factor is exact in bfloat16, so a bfloat16 result
+  comes straight from the GEMM (``dot(qa, qb) -> bf16 * broadcast(factor: bf16)``, the same
+  values: scaling by a power of two does not round) and the GEMM writes half the bytes.
   """
-  acc = _F32 if out_dtype == _F16 else out_dtype
+  acc = out_dtype if out_dtype == _F32 or (pow2 and out_dtype == _BF16) else _F32
   y = lax.dot_general(qa, qb, dims, preferred_element_type=acc, out_sharding=out_sharding)
   return (y * factor.astype(acc)).astype(out_dtype)
 
@@ -274,7 +286,7 @@ def _fp8_matmul_fwd(a, b, site):
   qa, ia = quantize(a, recipe.forward_dtype, recipe)
   qb, ib = quantize(b, recipe.forward_dtype, recipe)
   y = _scaled_dot(qa, qb, ia * ib, site.dims(site.a_contract, site.b_contract), site.out_dtype,
-                  site.out_sharding)
+                  site.out_sharding, recipe.use_power_2_scales)
   return y, ((a, b) if recipe.backward == "high_precision" else (qa, qb, ia, ib))
 
 
@@ -285,7 +297,7 @@ def _fp8_matmul_bwd(site, saved, g):
     qg, ig = quantize(g, recipe.backward_dtype, recipe)
     # Each GEMM: one saved fp8 operand and the fp8 gradient, never E5M2 x E5M2.
     dot = lambda x, y, lc, rc, s, dtype, like: _scaled_dot(
-        x, y, s, site.dims(lc, rc), dtype, _explicit_sharding(like))
+        x, y, s, site.dims(lc, rc), dtype, _explicit_sharding(like), recipe.use_power_2_scales)
     a, b, g, sa, sb, sg = qa, qb, qg, ia, ib, ig
   else:
     if recipe.backward == "high_precision":
