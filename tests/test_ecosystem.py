@@ -5,7 +5,7 @@
 * ``stochastic_cast`` saturates at the 16-bit maximum on both sides;
 * ``jmp_scaler.adam``/``adamw``/``scale_by_adam`` with float32 moments are optax's, bit for
   bit under ``jax.jit``, and ``mu_dtype=None`` follows optax's rule;
-* the README's first-step sentence states the rule the scaler follows;
+* docs/scaler.md's first-step sentence states the rule the scaler follows;
 * the dependency floors in ``pyproject.toml`` are the versions ``.ci/lowest.txt`` pins.
 """
 
@@ -326,11 +326,12 @@ def test_moment_dtypes_that_cannot_hold_a_parameters_moments_are_refused_at_init
     make().init(params)
 
 
-# ---------------------------------------------------------------- the README's first step
+# ---------------------------------------------------------------- the first step
 
 
-def test_the_readme_says_when_the_first_step_is_skipped_and_the_rule_holds():
-  text = (ROOT / "README.md").read_text()
+def test_the_docs_say_when_the_first_step_is_skipped_and_the_rule_holds():
+  text = (ROOT / "docs" / "scaler.md").read_text()
+  assert "first step or two may be skipped" in (ROOT / "README.md").read_text()
   paragraph = text[text.index("**The first step"):].split("\n\n")[0]
   assert "usually skipped" not in paragraph
   assert "65504" in paragraph and "about 1" in paragraph
