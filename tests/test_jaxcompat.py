@@ -69,3 +69,48 @@ def test_the_user_frame_skips_the_excluded_packages():
   assert frame.function.endswith("users_function") and frame.file == __file__
   assert "jnp.exp" in open(frame.file).read().splitlines()[frame.line - 1]
   assert S.summary_location(eqn) == (frame.file, frame.line)
+
+
+def test_inline_body_opens_every_call_and_nothing_else():
+  @jax.custom_jvp
+  def cj(x):
+    return jnp.sin(x)
+
+  cj.defjvp(lambda p, t: (cj(p[0]), t[0]))
+  fns = {"jit": jax.jit(jnp.exp), "remat2": jax.checkpoint(jnp.exp), "custom_jvp_call": cj}
+  for name, fn in fns.items():
+    eqn = _eqn(fn, ROW, name=name)
+    body = P.inline_body(eqn)
+    assert [o.tolist() for o in J.run_closed(body)(ROW)] == [fn(ROW).tolist()], name
+  assert P.inline_body(_eqn(jnp.exp, ROW, name="exp")) is None
+
+
+def test_float32_params_widen_the_dtypes_and_reduce_precision():
+  cast = _eqn(lambda x: x.astype(jnp.float16), ROW, name="convert_element_type")
+  assert P.float32_params(cast)["new_dtype"] == jnp.float32
+  dot = _eqn(lambda a: lax.dot(a, a, preferred_element_type=jnp.bfloat16),
+             ROW.astype(jnp.bfloat16), name="dot_general")  # fmt: skip
+  assert P.float32_params(dot)["preferred_element_type"] == jnp.float32
+  rp = _eqn(lambda x: lax.reduce_precision(x, 5, 10), ROW, name="reduce_precision")
+  params = P.float32_params(rp)
+  assert (params["exponent_bits"], params["mantissa_bits"]) == (8, 23)
+  widened = J.bind(rp, [jnp.asarray([1e5, 1.0 + 2.0**-20])], params)[0]
+  assert widened.tolist() == [1e5, 1.0 + 2.0**-20]  # float32 keeps both; float16 would not
+  assert P.float32_params(cast) is not cast.params and cast.params["new_dtype"] == jnp.float16
+
+
+def test_user_frames_name_stack_and_function_name():
+  def users_function(x):
+    with jax.named_scope("my_scope"):
+      return jnp.exp(x)  # the line
+
+  def caller(x):
+    return users_function(x)
+
+  jaxpr = jax.make_jaxpr(caller)(ROW)
+  eqn = jaxpr.eqns[0]
+  found = S.user_frames(eqn, [jax])
+  assert [f.function.rpartition(".")[2] for f in found[:2]] == ["users_function", "caller"]
+  assert found[0] == S.user_frame(eqn, [jax])
+  assert "my_scope" in S.name_stack(eqn)
+  assert J.function_name(jaxpr) == "caller"

@@ -31,8 +31,8 @@ except ImportError as e:  # pragma: no cover - only on a JAX that moved them
   raise missing(f"the jaxpr types ({e})", "jax.extend.core") from e
 
 __all__ = [
-  "ClosedJaxpr", "Jaxpr", "Literal", "Primitive", "bind", "closed", "has_sub_jaxprs",
-  "is_jaxpr", "is_literal", "read_literal", "run_closed", "sub_jaxprs",
+  "ClosedJaxpr", "Jaxpr", "Literal", "Primitive", "bind", "closed", "function_name",
+  "has_sub_jaxprs", "is_jaxpr", "is_literal", "read_literal", "run_closed", "sub_jaxprs",
 ]  # fmt: skip
 
 
@@ -80,3 +80,10 @@ def bind(eqn: Any, args: Sequence[Any], params: dict | None = None) -> list:
 def run_closed(jaxpr: Any) -> Callable:
   """A function evaluating the closed ``jaxpr`` on its inputs."""
   return jaxpr_as_fun(closed(jaxpr))
+
+
+def function_name(jaxpr: Any) -> str:
+  """The name of the function ``jaxpr`` (open or closed) was traced from, or ``""``."""
+  inner = closed(jaxpr).jaxpr
+  name = getattr(getattr(inner, "debug_info", None), "func_name", None)
+  return name.split(" ")[0] if isinstance(name, str) else ""

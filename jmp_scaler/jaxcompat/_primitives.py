@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+import numpy as np
+
 from jmp_scaler.jaxcompat._errors import missing
 from jmp_scaler.jaxcompat._jaxpr import closed
 
@@ -187,3 +190,47 @@ def custom_vjp(eqn: Any) -> CustomVjp:
 
   return CustomVjp(closed(_get(eqn, "call_jaxpr")), _get(eqn, "num_consts"), fwd,
                    lambda *a: bwd.call_wrapped(*a), residuals)  # fmt: skip
+
+
+# ------------------------------------------------------- inlining and widening
+
+#: The names of call primitives whose body takes the equation's inputs one to one and gives
+#: its outputs (``closed_call``, ``core_call``: JAX's plain calls) besides those above.
+PLAIN_CALL_NAMES = ("closed_call", "core_call")
+
+
+def inline_body(eqn: Any) -> Any:
+  """The closed body of a call-like equation (``jit``, ``remat``, ``custom_jvp_call``,
+  ``custom_vjp_call``, ``closed_call``), which evaluated on the equation's inputs gives its
+  outputs (the primal function of a custom derivative); None for any other equation."""
+  name = eqn.primitive.name
+  if name in JIT_NAMES or name in REMAT_NAMES:
+    return closed(_get(eqn, "jaxpr"))
+  if name in CUSTOM_NAMES or name in PLAIN_CALL_NAMES:
+    return closed(_get(eqn, "call_jaxpr"))
+  return None
+
+
+#: float32's (exponent, mantissa) bits: ``reduce_precision`` to them changes no float32.
+_FLOAT32_BITS = {"exponent_bits": 8, "mantissa_bits": 23}
+
+
+def float32_params(eqn: Any) -> dict:
+  """``eqn``'s parameters with every floating dtype narrower than float32 (``new_dtype`` of a
+  cast, ``preferred_element_type`` of a dot or a convolution) made float32, and a
+  ``reduce_precision`` to fewer bits than float32's made one to float32's: the same operation,
+  computed and returned in float32."""
+  params = dict(eqn.params)
+  for key, value in params.items():
+    if isinstance(value, np.dtype) and _is_narrow_float(value):
+      params[key] = np.dtype(np.float32)
+  if eqn.primitive.name == "reduce_precision":
+    for key, bits in _FLOAT32_BITS.items():
+      params[key] = max(int(_get(eqn, key)), bits)
+  return params
+
+
+
+def _is_narrow_float(dtype: np.dtype) -> bool:
+  """float16, bfloat16 and the fp8 types (numpy calls ml_dtypes' kind ``"V"``, not ``"f"``)."""
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4

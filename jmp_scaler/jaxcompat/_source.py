@@ -69,13 +69,28 @@ def _package_dirs(modules: Sequence[Any]) -> tuple[str, ...]:
   return tuple(dirs)
 
 
-def user_frame(eqn: Any, excluded_modules: Sequence[Any]) -> Frame | None:
-  """The innermost frame of ``eqn``'s traceback outside the packages of ``excluded_modules``
-  (jax, flax, ...) and outside the standard library's ``contextlib``/``functools``."""
+def user_frames(eqn: Any, excluded_modules: Sequence[Any]) -> list[Frame]:
+  """The frames of ``eqn``'s traceback outside the packages of ``excluded_modules`` (jax,
+  flax, ...) and outside the standard library's ``contextlib``/``functools``, innermost
+  first: the user's line, then the lines that called it."""
   dirs = _package_dirs(excluded_modules)
+  found = []
   for frame in frames(eqn):
     path = os.path.abspath(frame.file) if not frame.file.startswith("<") else frame.file
     if path.startswith(dirs) or os.path.basename(path) in ("contextlib.py", "functools.py"):
       continue
-    return frame
-  return None
+    found.append(frame)
+  return found
+
+
+def user_frame(eqn: Any, excluded_modules: Sequence[Any]) -> Frame | None:
+  """The innermost frame of ``eqn``'s traceback outside the packages of ``excluded_modules``
+  (jax, flax, ...) and outside the standard library's ``contextlib``/``functools``."""
+  found = user_frames(eqn, excluded_modules)
+  return found[0] if found else None
+
+
+def name_stack(eqn: Any) -> str:
+  """``eqn``'s name stack as JAX prints it: the ``jax.named_scope`` names around it, wrapped
+  in ``jvp(...)`` and ``transpose(...)`` by differentiation (``transpose(jvp(loss))``)."""
+  return str(getattr(eqn.source_info, "name_stack", ""))
