@@ -33,6 +33,7 @@ WINGS = {
     "training": 2,      # TrainState, NNXOptimizer
     "checkpoint": 2,    # checkpoint I/O and the restore check
     "diagnostics": 3,   # reports and the monitor
+    "jmp": 3,           # jmp 0.0.4's API over precision: `from jmp_scaler import jmp`
 }
 
 
