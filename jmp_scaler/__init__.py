@@ -88,6 +88,8 @@ from jmp_scaler.checkpoint._restore_check import check_restored as check_restore
 
 # Diagnostics.
 from jmp_scaler.diagnostics._nonfinite import NonFiniteReport as NonFiniteReport
+from jmp_scaler.diagnostics._find import NonFiniteOp as NonFiniteOp
+from jmp_scaler.diagnostics._find import find_nonfinite as find_nonfinite
 from jmp_scaler.diagnostics._nonfinite import nonfinite_report as nonfinite_report
 from jmp_scaler.diagnostics._underflow import UnderflowReport as UnderflowReport
 from jmp_scaler.diagnostics._underflow import underflow_report as underflow_report
@@ -108,6 +110,7 @@ __all__ = (
     "LossScaleState",
     "NNXOptimizer",
     "NNX_FLOAT32_MODULES",
+    "NonFiniteOp",
     "NonFiniteReport",
     "Policy",
     "ScaleByAdamState",
@@ -128,6 +131,7 @@ __all__ = (
     "check_restored",
     "default_policy",
     "dynamic_scale",
+    "find_nonfinite",
     "find_scale_state",
     "fixed_scale",
     "fp8_dot_general",

@@ -114,3 +114,13 @@ def test_user_frames_name_stack_and_function_name():
   assert found[0] == S.user_frame(eqn, [jax])
   assert "my_scope" in S.name_stack(eqn)
   assert J.function_name(jaxpr) == "caller"
+
+
+def test_is_collective_names_the_communicating_primitives():
+  mesh = jax.make_mesh((1,), ("d",))
+  spec = jax.sharding.PartitionSpec()
+  fn = jax.shard_map(lambda x: lax.psum(jnp.exp(x), "d"), mesh=mesh, in_specs=spec,
+                     out_specs=spec, check_vma=False)  # fmt: skip
+  body = J.closed(_eqn(fn, ROW, name="shard_map").params["jaxpr"]).jaxpr
+  assert {e.primitive.name: P.is_collective(e) for e in body.eqns} == {"exp": False,
+                                                                       "psum": True}  # fmt: skip

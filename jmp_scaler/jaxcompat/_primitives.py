@@ -211,6 +211,20 @@ def inline_body(eqn: Any) -> Any:
   return None
 
 
+#: The name prefixes of the collective primitives of ``jax.lax`` (psum, all_gather, ppermute,
+#: ... and their ``_invariant``, ``unreduced_``, ``_start``/``_done`` forms): the value they
+#: give a device depends on every device's inputs.
+_COLLECTIVE_PREFIXES = (
+  "psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_gather", "all_to_all",
+  "ragged_all_to_all", "reduce_scatter", "unreduced_", "psend", "precv", "preduced",
+)  # fmt: skip
+
+
+def is_collective(eqn: Any) -> bool:
+  """Whether ``eqn`` communicates between the devices of a mesh (``lax.psum``, ...)."""
+  return eqn.primitive.name.startswith(_COLLECTIVE_PREFIXES)
+
+
 #: float32's (exponent, mantissa) bits: ``reduce_precision`` to them changes no float32.
 _FLOAT32_BITS = {"exponent_bits": 8, "mantissa_bits": 23}
 

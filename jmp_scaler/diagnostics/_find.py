@@ -1,0 +1,591 @@
+"""Which operation, on which line of my code, made the first inf or NaN, and is it float16's fault?
+
+:func:`find_nonfinite` traces the function, runs it as one compiled program that flags every
+operation whose output holds inf or NaN while its inputs are finite (:mod:`._walk`), then, in
+a second compiled run, fetches the inputs of the first one. That operation is then run again
+alone, as it ran and in float32, which gives the verdict: float16's range, or a bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmp_scaler.diagnostics import _walk as W
+from jmp_scaler.jaxcompat import _jaxpr as J
+from jmp_scaler.jaxcompat import _primitives as P
+from jmp_scaler.jaxcompat import _source as S
+from jmp_scaler.precision._autocast import AUTOCAST_MARK, FULL_PRECISION_MARK
+from jmp_scaler.precision._rules import DEFAULT_RULES
+
+#: The name scope of the scale multiply ``loss.astype(float32) * scale`` of the backward pass.
+SCALE_SCOPE = "jmp_find_nonfinite.scale"
+#: The packages whose frames ``source`` skips, to name the user's line.
+LIBRARIES = ("jax", "flax", "optax", "equinox", "jmp_scaler")
+#: Primitives that have no real value for some inputs (NaN in any precision).
+_DOMAIN = {"log": 0.0, "sqrt": 0.0, "rsqrt": 0.0, "log1p": -1.0, "pow": 0.0, "lgamma": None,
+           "digamma": None, "acosh": 1.0}  # fmt: skip
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueInfo:
+  """An input or output of the operation: dtype, shape, largest finite magnitude, and how many
+  elements are NaN and inf (None where the operation could not be run again)."""
+
+  dtype: str
+  shape: tuple[int, ...]
+  max_abs: float
+  nan: int | None = 0
+  inf: int | None = 0
+
+  @classmethod
+  def of(cls, x: Any) -> ValueInfo:
+    a = np.asarray(x)
+    if not _inexact(a.dtype):
+      big = float(np.max(np.abs(a))) if a.size and a.dtype.kind in "iu" else float("nan")
+      return cls(str(a.dtype), a.shape, big)
+    wide = _wide(a)
+    ok = np.isfinite(wide)
+    big = float(np.max(np.abs(wide[ok]))) if ok.any() else float("nan")
+    return cls(str(a.dtype), a.shape, big, int(np.isnan(wide).sum()), int(np.isinf(wide).sum()))
+
+  def __str__(self) -> str:
+    big = "-" if math.isnan(self.max_abs) else f"{self.max_abs:.4g}"
+    text = f"{self.dtype}[{','.join(map(str, self.shape))}] max|x| {big}"
+    if self.nan or self.inf:
+      text += f" ({self.inf} inf, {self.nan} NaN of {math.prod(self.shape)})"
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteOp:
+  """The first operation that made an inf or a NaN, as :func:`find_nonfinite` found it.
+
+  ``print(report)`` shows all of it with a next step; the fields are there for programs.
+
+  Attributes:
+    phase: ``"forward"``, or ``"backward"`` (the gradient of ``fn(...) * scale``).
+    primitive: the JAX primitive (``"dot_general"``, ``"exp"``, ``"convert_element_type"``).
+    source: ``"path/to/file.py:LINE (function)"``: the first frame outside jax, flax, optax,
+      equinox and jmp_scaler (for a backward operation, the forward operation it
+      differentiates).
+    finite_in_float32: whether the same operation on the same inputs gives a finite result
+      with its half-precision inputs and result widened to float32 (a float16 range problem,
+      not a bug of the model); None when it cannot be run again alone (``note`` says why).
+    inputs: each non-literal input's :class:`ValueInfo` (all finite, by definition).
+    outputs: each output's :class:`ValueInfo`, with its inf and NaN counts.
+    first_index: the index of the first non-finite element of the first non-finite output.
+    float32_max_abs: the largest magnitude of the float32 result (nan if it holds none).
+    where: the calls, loop iterations, branches and devices around it, outermost first.
+    autocast: the policy of the ``jmp_scaler.autocast`` function it runs in, or None.
+    full_precision: whether it runs in a ``jmp_scaler.full_precision`` region.
+    scale: the scale of the backward pass, or None.
+    frames: every frame of its traceback outside those packages, innermost first.
+    advice: the concrete next step.
+    note: anything that qualifies the verdict (empty when nothing does).
+  """
+
+  phase: str
+  primitive: str
+  source: str
+  finite_in_float32: bool | None
+  inputs: tuple[ValueInfo, ...]
+  outputs: tuple[ValueInfo, ...]
+  first_index: tuple[int, ...] | None
+  float32_max_abs: float | None
+  where: tuple[str, ...]
+  autocast: str | None
+  full_precision: bool
+  scale: float | None
+  frames: tuple[str, ...]
+  advice: str
+  note: str = ""
+
+  def __str__(self) -> str:
+    bad = next((o for o in self.outputs if o.nan or o.inf), self.outputs[0] if self.outputs
+               else None)  # fmt: skip
+    at = f", first at {list(self.first_index)}" if self.first_index is not None else ""
+    scale = f" at scale {self.scale:g}" if self.phase == "backward" else ""
+    lines = [
+      f"find_nonfinite: the first inf/NaN is made in the {self.phase} pass{scale} by",
+      f"  {self.primitive} at {self.source}",
+      f"  inputs   {';  '.join(map(str, self.inputs)) or '(constants only)'}",
+    ]
+    if bad is not None:
+      lines.append(f"  output   {bad}{at}")
+    if self.where:
+      lines.append(f"  inside   {' > '.join(self.where)}")
+    lines.append(f"  float32  {_verdict(self)}")
+    if self.note:
+      lines.append(f"  note     {self.note}")
+    lines.append(f"  next     {self.advice}")
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent=" " * 11,
+                                   break_on_hyphens=False, break_long_words=False)
+                     for line in lines)  # fmt: skip
+
+
+def _verdict(r: NonFiniteOp) -> str:
+  if r.finite_in_float32 is None:
+    return "could not run it again alone (see the note)"
+  if r.finite_in_float32:
+    return (f"finite (largest magnitude {r.float32_max_abs:.4g}): "
+            f"a {_narrow(r)} range problem, not a bug in the model")  # fmt: skip
+  return "not finite either: not a matter of precision"
+
+
+# ---------------------------------------------------------------- the public function
+
+
+def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
+                   **kwargs: Any) -> NonFiniteOp | None:  # fmt: skip
+  """Finds the first operation of ``fn(*args, **kwargs)`` that makes an inf or a NaN.
+
+  Runs ``fn`` operation by operation and returns the first operation whose output holds inf
+  or NaN while all its inputs are finite, with the line of your code it comes from and
+  whether float32 would have been finite. If the forward pass is finite and ``scale`` is
+  given, does the same for the backward pass of ``fn(...) * scale`` (the loss multiplied in
+  float32, as :func:`jmp_scaler.value_and_grad` does) with respect to the floating leaves of
+  the first argument (an NNX module's ``nnx.Param`` leaves): the gradients the loss scaler
+  would see. Returns None when nothing is non-finite.
+
+  It is one compiled run of the whole function that flags every operation (one reduction per
+  value), then a second that fetches the inputs of the first flagged one: a real model
+  answers in seconds. It sees through ``jit``, ``custom_jvp``/``custom_vjp``, ``remat``,
+  ``scan``/``while_loop``/``cond`` (naming the iteration and the branch) and ``shard_map``
+  (naming the device), and through :func:`jmp_scaler.autocast`: an autocast function is
+  analysed as it runs, float16 casts included. ``fn`` may be a function, a flax
+  ``model.apply``, an NNX module or an equinox module.
+
+  Args:
+    fn: the function, for example a loss function or ``model.apply``.
+    *args: its positional arguments. Array leaves are traced; every other leaf (Python
+      numbers, strings, a policy) is static, as under ``jax.jit``.
+    scale: the loss scale of the backward pass (``jmp_scaler.get_scale(opt_state)``); None
+      analyses the forward pass only. ``fn`` must then return a scalar.
+    **kwargs: its keyword arguments (``scale`` is this function's own).
+
+  Returns:
+    A :class:`NonFiniteOp` (``print`` it), or None if every value of the forward pass (and,
+    with ``scale``, of the backward pass) is finite.
+
+  Raises:
+    ValueError: if ``fn`` is not callable; if ``scale`` is not a positive finite number, or
+      ``fn`` does not return a floating scalar when it is given; if an argument (or an array
+      ``fn`` closes over) already holds inf or NaN and no operation made one.
+
+  Examples:
+    >>> import jax.numpy as jnp, jmp_scaler
+    >>> def loss(w, x):
+    ...   return jnp.sum(x.astype(jnp.float16) @ w.astype(jnp.float16))
+    >>> w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)  # 4 * 300 * 100 > 65504
+    >>> report = jmp_scaler.find_nonfinite(loss, w, x)
+    >>> report.phase, report.primitive, report.finite_in_float32
+    ('forward', 'dot_general', True)
+    >>> print(report)  # doctest: +ELLIPSIS
+    find_nonfinite: the first inf/NaN is made in the forward pass by
+      dot_general at ...
+    >>> jmp_scaler.find_nonfinite(loss, w / 300, x / 100, scale=2.0**10) is None
+    True
+  """
+  if not callable(fn):
+    raise ValueError(f"fn must be callable, got {fn!r}")
+  scale = _check_scale(scale)
+  call = _Call(fn, args, kwargs)
+  closed, shape = jax.make_jaxpr(call.flat, return_shape=True)(*call.dynamic)
+  if scale is not None:
+    _check_loss(shape)
+  found = _search(closed, call.dynamic, call.names, "forward", None)
+  if found is not None or scale is None:
+    return found
+  diff, other = call.split_first()
+  grad = jax.make_jaxpr(jax.grad(call.scaled(scale)))(diff, other)
+  names = [call.names[i] for i in (*call.first, *call.rest)]
+  return _search(grad, [*diff, *other], names, "backward", scale)
+
+
+def _check_scale(scale: Any) -> float | None:
+  if scale is None:
+    return None
+  bad = ValueError(f"scale must be a positive, finite number (the loss scale), got {scale!r}")
+  if isinstance(scale, bool):
+    raise bad
+  try:
+    value = float(scale)
+  except (TypeError, ValueError):
+    raise bad from None
+  if not (math.isfinite(value) and value > 0):
+    raise bad
+  return value
+
+
+def _check_loss(shape: Any) -> None:
+  leaves = jax.tree.leaves(shape)
+  if len(leaves) != 1 or leaves[0].shape != () or not jnp.issubdtype(leaves[0].dtype,
+                                                                      jnp.floating):
+    got = jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", shape)
+    raise ValueError(
+      f"with scale, fn must return a floating scalar loss (the backward pass is that of "
+      f"loss * scale), got {got}; for (loss, aux) pass lambda *a: fn(*a)[0]")
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@jax.tree_util.register_pytree_node_class
+class _Module:
+  """An NNX module as its graph (static), its ``nnx.Param`` state and the rest of its state."""
+
+  def __init__(self, graphdef: Any, params: Any, rest: Any):
+    self.graphdef, self.params, self.rest = graphdef, params, rest
+
+  def tree_flatten(self):
+    return (self.params, self.rest), self.graphdef
+
+  @classmethod
+  def tree_unflatten(cls, graphdef, children):
+    return cls(graphdef, *children)
+
+  def merge(self) -> Any:
+    return nnx.merge(self.graphdef, self.params, self.rest)
+
+
+def _split(x: Any) -> Any:
+  if isinstance(x, nnx.Module):
+    return _Module(*nnx.split(x, nnx.Param, ...))
+  return x
+
+
+def _merge(x: Any) -> Any:
+  return x.merge() if isinstance(x, _Module) else x
+
+
+def _is_dynamic(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Call:
+  """``fn(*args, **kwargs)`` as a function of its array leaves (NNX modules split first)."""
+
+  def __init__(self, fn: Any, args: tuple, kwargs: dict):
+    parts = (_split(fn), tuple(_split(a) for a in args), {k: _split(v) for k, v in kwargs.items()})
+    with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(parts)
+    leaves = [x for _, x in with_paths]
+    self.mask = [_is_dynamic(x) for x in leaves]
+    self.static = [None if m else x for x, m in zip(leaves, self.mask, strict=True)]
+    self.dynamic = [x for x, m in zip(leaves, self.mask, strict=True) if m]
+    self.names = [_name(p) for (p, _), m in zip(with_paths, self.mask, strict=True) if m]
+    # The dynamic floating leaves of the first argument (of an NNX module: its nnx.Param leaves).
+    n_fn = len(jax.tree.leaves(parts[0]))
+    first = parts[1][0].params if args and isinstance(parts[1][0], _Module) else (
+      parts[1][0] if args else ())
+    n_first = len(jax.tree.leaves(first))
+    dyn_index = np.cumsum(self.mask) - 1
+    self.first = [int(dyn_index[i]) for i in range(n_fn, n_fn + n_first)
+                  if self.mask[i] and jnp.issubdtype(jnp.result_type(leaves[i]), jnp.floating)]
+    self.rest = [i for i in range(len(self.dynamic)) if i not in set(self.first)]
+    self.fn, self.has_args = fn, bool(args)
+
+  def flat(self, *dynamic: Any) -> Any:
+    it = iter(dynamic)
+    leaves = [next(it) if m else s for m, s in zip(self.mask, self.static, strict=True)]
+    fn, args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+    fn = _merge(fn)
+    return fn(*[_merge(a) for a in args], **{k: _merge(v) for k, v in kwargs.items()})
+
+  def split_first(self) -> tuple[list, list]:
+    if not self.has_args:
+      raise ValueError("with scale, fn needs a first positional argument to differentiate")
+    if not self.first:
+      raise ValueError("with scale, the first argument of fn must hold floating arrays (the "
+                       "parameters to differentiate), it holds none")
+    return [self.dynamic[i] for i in self.first], [self.dynamic[i] for i in self.rest]
+
+  def scaled(self, scale: float) -> Callable:
+    def loss(diff, other):
+      dynamic = [None] * len(self.dynamic)
+      for i, x in zip(self.first, diff, strict=True):
+        dynamic[i] = x
+      for i, x in zip(self.rest, other, strict=True):
+        dynamic[i] = x
+      out = jax.tree.leaves(self.flat(*dynamic))[0]
+      with jax.named_scope(SCALE_SCOPE):  # as jmp_scaler.value_and_grad: in float32
+        return jnp.asarray(out).astype(jnp.float32) * jnp.float32(scale)
+
+    return loss
+
+
+def _name(path: tuple) -> str:
+  head, tail = path[0].idx, path[1:]
+  if head == 0:
+    return "fn" + jax.tree_util.keystr(tail)
+  if head == 1:
+    return f"args[{tail[0].idx}]" + jax.tree_util.keystr(tail[1:])
+  return f"kwargs[{tail[0].key!r}]" + jax.tree_util.keystr(tail[1:])
+
+
+# ---------------------------------------------------------------- the search
+
+
+def _search(closed: Any, args: list, names: list[str], phase: str,
+            scale: float | None) -> NonFiniteOp | None:  # fmt: skip
+  probed = W.probe(closed, args)
+  path = W.first_origin(probed.layout, probed.record)
+  if path is None:
+    if all(probed.outputs_finite):
+      return None
+    n_consts = len(J.closed(closed).consts)
+    bad = [names[i - n_consts] if i >= n_consts else "an array fn closes over (a constant)"
+           for i, ok in enumerate(probed.inputs_finite) if not ok]
+    what = "result" if phase == "forward" else "gradient"
+    raise ValueError(
+      f"fn's {what} holds inf/NaN, but no operation made it: it was in the inputs already "
+      f"({', '.join(bad) or 'none found'}). Check the data (jmp_scaler.nonfinite_report) and "
+      "the previous step.")
+  eqns = W.equations(probed.layout, path)
+  held = W.capture(closed, args, probed.layout, path)
+  return _report(phase, eqns, path, held, scale)
+
+
+def _report(phase: str, eqns: list, path: list, held: list, scale: float | None) -> NonFiniteOp:
+  eqn = eqns[-1]
+  it = iter(held)
+  inputs = [np.asarray(v.val) if J.is_literal(v) else np.asarray(next(it)) for v in eqn.invars]
+  notes = []
+  if J.has_sub_jaxprs(eqn):
+    notes.append(f"{eqn.primitive.name} has a body find_nonfinite cannot open: it is reported "
+                 "as one operation")
+  outs, why = _run(eqn, inputs, widen=False)
+  if outs is None:
+    outputs = tuple(ValueInfo(str(v.aval.dtype), tuple(v.aval.shape), float("nan"), None, None)
+                    for v in eqn.outvars)  # fmt: skip
+    first_index = None
+    notes.append(f"it could not be run again alone ({why})")
+  else:
+    outputs = tuple(ValueInfo.of(o) for o in outs)
+    bad = next((o for o in outs if not _all_finite(o)), None)
+    first_index = None if bad is None else tuple(
+      int(i) for i in np.argwhere(~np.isfinite(_wide(bad)))[0])
+    if bad is None:
+      notes.append("alone it gives a finite result: in the compiled program XLA computed it "
+                   "differently (fused with its neighbours)")
+  wide, why32 = _run(eqn, inputs, widen=True)
+  if wide is None:
+    finite32, max32 = None, None
+    if outs is not None:
+      notes.append(f"it could not be run again in float32 ({why32})")
+  else:
+    finite32 = all(_all_finite(o) for o in wide)
+    max32 = max((ValueInfo.of(o).max_abs for o in wide if np.asarray(o).size), default=0.0)
+  where, policy, region = _context(eqns, path)
+  frames = _frames(eqn)
+  in_scale = SCALE_SCOPE in S.name_stack(eqn)
+  source = frames[0] if frames else _library_source(eqn)
+  if in_scale:
+    source = f"the loss's cast to float32 before the scale multiply (find_nonfinite's, {source})"
+  report = NonFiniteOp(
+    phase=phase, primitive=eqn.primitive.name, source=source, finite_in_float32=finite32,
+    inputs=tuple(ValueInfo.of(x) for x, v in zip(inputs, eqn.invars, strict=True)
+                 if not J.is_literal(v)),
+    outputs=outputs, first_index=first_index, float32_max_abs=max32, where=where,
+    autocast=policy, full_precision=region, scale=scale, frames=tuple(frames),
+    advice="", note="; ".join(notes),
+  )  # fmt: skip
+  advice = _advice(report, inputs, in_scale)
+  return dataclasses.replace(report, advice=advice)
+
+
+def _inexact(dtype: Any) -> bool:
+  """Floating or complex (bfloat16 and fp8 included: numpy calls their kind "V")."""
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _wide(x: Any) -> np.ndarray:
+  """A floating ``x`` as float64 (complex128), for counting and measuring on the host."""
+  a = np.asarray(x)
+  return a.astype(np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating) else np.float64)
+
+
+def _all_finite(x: Any) -> bool:
+  a = np.asarray(x)
+  return not _inexact(a.dtype) or bool(np.all(np.isfinite(_wide(a))))
+
+
+def _is_half(dtype: Any) -> bool:
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize < 4
+
+
+def _run(eqn: Any, inputs: list, widen: bool) -> tuple[list | None, str]:
+  """``eqn`` bound again, alone, on ``inputs`` (widened to float32): (outputs, "") or (None,
+  why)."""
+  try:
+    params = P.float32_params(eqn) if widen else dict(eqn.params)
+    args = [jnp.asarray(x, jnp.float32) if widen and _is_half(np.asarray(x).dtype) else
+            jnp.asarray(x) for x in inputs]  # fmt: skip
+    return [np.asarray(o) for o in jax.device_get(J.bind(eqn, args, params))], ""
+  except Exception as e:  # noqa: BLE001 - any failure is reported, never hidden
+    return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _library_source(eqn: Any) -> str:
+  """Where ``eqn`` comes from when no frame of the user's is around it (``fn`` is a library's
+  layer, called directly): the first frame outside jax and jmp_scaler, or JAX's summary."""
+  mine = [sys.modules[name] for name in ("jax", "jmp_scaler")]
+  found = S.user_frames(eqn, mine)
+  where = _relative(str(found[0])) if found else S.summarize(eqn)
+  return f"{where} (a library's line: fn calls no code of yours around it)"
+
+
+def _frames(eqn: Any) -> list[str]:
+  """The frames of ``eqn``'s traceback outside :data:`LIBRARIES` (those imported), innermost
+  first, their files relative to the working directory when under it."""
+  found = S.user_frames(eqn, [sys.modules[name] for name in LIBRARIES if name in sys.modules])
+  return [_relative(str(f)) for f in found]
+
+
+def _relative(where: str) -> str:
+  """``"file:line (function)"`` with ``file`` relative to the working directory if under it."""
+  m = re.match(r"(.*)(:\d+(:\d+)? \(.*\))$", where)
+  if not m:
+    return where
+  try:
+    rel = os.path.relpath(m.group(1))
+  except ValueError:  # another drive
+    return where
+  return where if rel.startswith(os.pardir) else rel + m.group(2)
+
+
+def _context(eqns: list, path: list) -> tuple[tuple[str, ...], str | None, bool]:
+  """The ``where`` strings, the autocast policy around the origin, and whether a
+  full_precision region holds it."""
+  where, policy, region = [], None, False
+  for eqn, step in zip(eqns[:-1], path[:-1], strict=True):
+    name = eqn.primitive.name
+    if step.kind == "call":
+      body = P.inline_body(eqn)
+      if name in P.JIT_NAMES:
+        label = P.jit_name(eqn)
+        if label.startswith(AUTOCAST_MARK) and "]" in label:
+          policy = label[len(AUTOCAST_MARK) + 1 : label.index("]")]
+        region = region or label.startswith(FULL_PRECISION_MARK)
+        where.append(f"jit {label}")
+      else:
+        func = J.function_name(body)
+        where.append(f"{name} ({func})" if func else name)
+    elif step.kind == "scan":
+      p = P.scan(eqn)
+      where.append(f"scan iteration {step.at} of {p.length}{', reversed' if p.reverse else ''}")
+    elif step.kind == "while_cond0":
+      where.append("while_loop condition, before the first iteration")
+    elif step.kind == "while_body":
+      where.append(f"while_loop iteration {step.at}")
+    elif step.kind == "while_cond":
+      where.append(f"while_loop condition after iteration {step.at}")
+    elif step.kind == "cond":
+      where.append(f"cond branch {step.at}")
+    else:
+      where.append(f"shard_map device {step.at} of {P.shard_map(eqn).mesh.size}")
+  return tuple(where), policy, region
+
+
+# ---------------------------------------------------------------- the advice
+
+
+def _narrow(r: NonFiniteOp) -> str:
+  """The half dtype the operation ran in (its outputs', else its inputs'), or "float32"."""
+  for info in (*r.outputs, *r.inputs):
+    if info.dtype in ("float16", "bfloat16") or info.dtype.startswith("float8"):
+      return info.dtype
+  return "float32"
+
+
+def _largest(dtype: str) -> float:
+  try:
+    return float(jnp.finfo(dtype).max)
+  except (TypeError, ValueError):
+    return float(jnp.finfo(jnp.float32).max)
+
+
+def _domain(r: NonFiniteOp, inputs: list) -> str:
+  """Why the operation has no finite value in any precision, when it is a domain error."""
+  floats = [_wide(x) for x in inputs
+            if jnp.issubdtype(np.asarray(x).dtype, jnp.floating) and np.asarray(x).size]
+  if not floats:
+    return ""
+  prim, low = r.primitive, float(np.min(floats[0]))
+  bound = _DOMAIN.get(prim, "none")
+  if bound is not None and bound != "none" and low < bound:
+    return f"{prim} of {'a negative number' if bound == 0.0 else f'a number below {bound:g}'} " \
+           f"(smallest input {low:.4g})"
+  if prim in ("log", "rsqrt", "div", "pow") and any((f == 0).any() for f in floats):
+    return "division by zero" if prim == "div" else f"{prim} at zero"
+  if prim in ("exp", "exp2", "pow", "mul", "dot_general", "add", "reduce_sum", "cumsum"):
+    return f"the result passes float32's range too (largest input {r.inputs[0].max_abs:.4g})" \
+      if r.inputs else ""
+  return ""
+
+
+def _keep_in_float32(r: NonFiniteOp) -> str:
+  prim, half = r.primitive, _narrow(r)
+  if prim == "convert_element_type" and r.phase == "backward":
+    return (f"keep the value cast at {r.source} in float32: its gradient, up to "
+            f"{r.inputs[0].max_abs:.4g}, is cast back to {half} there")
+  if r.autocast is not None and not r.full_precision:
+    if prim == "convert_element_type":
+      return (f"autocast ({r.autocast}) casts a value of magnitude up to "
+              f"{r.inputs[0].max_abs:.4g} to {half} for the operation at {r.source}: wrap that "
+              "code in jmp_scaler.full_precision, or scale the value down before it")
+    rule = DEFAULT_RULES.get(prim, "promote")
+    return (f"autocast ({r.autocast}) runs this {prim} in {half} (default rule {rule!r}): "
+            f"keep it in float32 with jmp_scaler.autocast(fn, policy, rules={{{prim!r}: "
+            f"'float32'}}) (every {prim}), or wrap the code at {r.source} in "
+            "jmp_scaler.full_precision (this one)")
+  if prim == "convert_element_type":
+    return (f"the cast to {half} at {r.source} gets a value of magnitude "
+            f"{r.inputs[0].max_abs:.4g}, past {half}'s largest {_largest(half):g}: rescale it "
+            "before the cast (standardise the data, in float32), or keep it in float32")
+  return (f"compute this {prim} in float32 at {r.source}: cast its inputs with "
+          ".astype(jnp.float32) (a layer: dtype=jnp.float32), or scale its inputs down")
+
+
+def _advice(r: NonFiniteOp, inputs: list, in_scale: bool) -> str:
+  if r.finite_in_float32 is None:
+    return (f"inspect the operation at {r.source} by hand: its inputs are in the report; "
+            "find_nonfinite could not compare it with float32")
+  if not r.finite_in_float32:
+    hint = _domain(r, inputs)
+    guard = ("guard its forward input (jnp.where before the operation, the double-where "
+             "trick), a clip or an epsilon" if r.phase == "backward" else
+             "guard its input (jnp.where, a clip or an epsilon)")  # fmt: skip
+    half = _narrow(r)
+    why = f"not {half}'s range" if half != "float32" else "not a matter of precision"
+    return (f"float32 fails too: a bug in the model or the data{': ' + hint if hint else ''}, "
+            f"{why}. Fix the data, or {guard} at {r.source}")
+  if r.phase == "backward" and in_scale:
+    return (f"the loss is {_narrow(r)}: the gradient starts as the scale ({r.scale:g}) in "
+            f"{_narrow(r)}, which overflows. Keep the loss in float32 (a policy with "
+            "output=float32, or .astype(jnp.float32) before the loss's reduction)")
+  if r.phase == "backward":
+    half = _narrow(r)
+    ratio = r.scale * _largest(half) / max(r.float32_max_abs or 0.0, 1e-300)
+    safe = 2.0 ** math.floor(math.log2(ratio)) if ratio > 0 else 0.0
+    if safe >= 1.0 or safe > 0 and safe < r.scale:
+      return (f"a lower scale: at scale {r.scale:g} this gradient reaches "
+              f"{r.float32_max_abs:.4g} in float32, past {half}'s largest "
+              f"{_largest(half):g}; a scale of at most {safe:g} (2^{int(math.log2(safe))}) keeps "
+              "it finite, and dynamic_scale backs off to it by itself (the step is skipped). "
+              "If it keeps happening, " + _keep_in_float32(r))
+  return _keep_in_float32(r)

@@ -1,0 +1,614 @@
+"""Where in a jaxpr the first inf or NaN appears: the compiled passes behind ``find_nonfinite``.
+
+An *origin* is an equation whose floating output holds inf or NaN while every input is finite.
+Two passes find the first one and its inputs, each a single compiled program:
+
+* :func:`probe` evaluates the jaxpr equation by equation inside ``jax.jit`` and records, for
+  every equation that can make a non-finite value, whether it is an origin. Calls (``jit``,
+  ``remat``, ``custom_jvp``/``custom_vjp`` functions, autocast and ``full_precision`` regions)
+  are inlined; a ``scan`` or ``while`` loop keeps the record of its first iteration holding an
+  origin, a ``cond`` the record of the branch it took, a ``shard_map`` that of the first device
+  (in mesh order) holding one. :func:`first_origin` reads from the record the path to the
+  first origin in program order.
+* :func:`capture` evaluates the jaxpr again and returns the inputs of the equation at that
+  path: at that iteration, in that branch, on that device.
+
+Everything that is not an origin is evaluated by binding its primitive as it is, so both
+programs compute what the function computes, with one reduction per floating value more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jmp_scaler.jaxcompat import _jaxpr as J
+from jmp_scaler.jaxcompat import _primitives as P
+from jmp_scaler.jaxcompat import _types as T
+
+#: Primitives whose output is finite exactly when their inputs are (they move values, or
+#: repeat them): their finiteness is their inputs', and they need no reduction of their own.
+SAME_VALUES = frozenset((
+  "reshape", "transpose", "squeeze", "expand_dims", "rev", "copy", "copy_p", "broadcast_in_dim",
+))  # fmt: skip
+#: A device index larger than any mesh's: "no device holds an origin".
+_NO_DEVICE = np.iinfo(np.int32).max
+
+
+# ---------------------------------------------------------------- the record's layout
+
+
+@dataclasses.dataclass
+class Entry:
+  """One equation's place in its level's record.
+
+  Slots, from ``start``: ``"op"``: [origin]; ``"call"``: the body's record; ``"scan"``:
+  [found, iteration, body record]; ``"while"``: [the condition's record before the first
+  iteration, found, iteration, body record, the condition's record after that iteration];
+  ``"cond"``: each branch's record in turn; ``"shard_map"``: [device or -1, body record].
+  """
+
+  index: int
+  kind: str
+  start: int
+  children: tuple = ()
+
+
+@dataclasses.dataclass
+class Layout:
+  """The record of one evaluation of ``jaxpr`` (closed): where each equation's slots are."""
+
+  jaxpr: Any
+  entries: list[Entry]
+  size: int
+
+
+class Step(NamedTuple):
+  """One step of the path to an origin: equation ``index`` of a level, entered as ``kind``
+  (``"op"``, ``"call"``, ``"scan"``, ``"while_cond0"``, ``"while_body"``, ``"while_cond"``,
+  ``"cond"``, ``"shard_map"``) at iteration, branch or device ``at``."""
+
+  index: int
+  kind: str
+  at: int | None = None
+
+
+def first_origin(layout: Layout, rec: np.ndarray, base: int = 0) -> list[Step] | None:
+  """The path to the first origin recorded in ``rec`` (host values), in program order."""
+  for e in layout.entries:
+    s = base + e.start
+    found: list[Step] | None = None
+    if e.kind == "op":
+      found = [Step(e.index, "op")] if rec[s] else None
+    elif e.kind == "call":
+      inner = first_origin(e.children[0], rec, s)
+      found = [Step(e.index, "call"), *inner] if inner else None
+    elif e.kind == "scan":
+      if rec[s]:
+        found = [Step(e.index, "scan", int(rec[s + 1])), *_inner(e.children[0], rec, s + 2)]
+    elif e.kind == "while":
+      cond0, body, cond = e.children
+      inner = first_origin(cond0, rec, s)
+      if inner:
+        found = [Step(e.index, "while_cond0"), *inner]
+      elif rec[s + cond0.size]:
+        at, s = int(rec[s + cond0.size + 1]), s + cond0.size + 2
+        inner = first_origin(body, rec, s)
+        found = ([Step(e.index, "while_body", at), *inner] if inner else
+                 [Step(e.index, "while_cond", at), *_inner(cond, rec, s + body.size)])
+    elif e.kind == "cond":
+      for b, branch in enumerate(e.children):
+        inner = first_origin(branch, rec, s)
+        if inner:
+          found = [Step(e.index, "cond", b), *inner]
+          break
+        s += branch.size
+    elif e.kind == "shard_map":
+      if rec[s] >= 0:
+        found = [Step(e.index, "shard_map", int(rec[s])), *_inner(e.children[0], rec, s + 1)]
+    if found:
+      return found
+  return None
+
+
+def _inner(layout: Layout, rec: np.ndarray, base: int) -> list[Step]:
+  inner = first_origin(layout, rec, base)
+  if inner is None:  # a loop or device said it found one: its body must hold it
+    raise RuntimeError("jmp_scaler.find_nonfinite: a record names an origin its body lacks")
+  return inner
+
+
+def equations(layout: Layout, path: Sequence[Step]) -> list[Any]:
+  """The equations along ``path``, outermost first (the last one is the origin)."""
+  out = []
+  for step in path:
+    eqn = J.closed(layout.jaxpr).jaxpr.eqns[step.index]
+    out.append(eqn)
+    entry = next(e for e in layout.entries if e.index == step.index)
+    if step.kind == "op":
+      break
+    if step.kind in ("call", "scan", "shard_map"):
+      layout = entry.children[0]
+    elif step.kind == "while_cond0":
+      layout = entry.children[0]
+    elif step.kind == "while_body":
+      layout = entry.children[1]
+    elif step.kind == "while_cond":
+      layout = entry.children[2]
+    else:  # cond
+      layout = entry.children[step.at]
+  return out
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _inexact(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def finite(x: Any) -> Any:
+  """Whether every element of ``x`` is finite: a traced bool, or True for non-floating ``x``."""
+  if not hasattr(x, "dtype") or not _inexact(x):
+    return True
+  return jnp.all(jnp.isfinite(x))
+
+
+def _literal_finite(v: Any) -> bool:
+  val = np.asarray(v.val)
+  if not jnp.issubdtype(val.dtype, jnp.inexact):
+    return True
+  return bool(np.all(np.isfinite(val.astype(np.complex128 if val.dtype.kind == "c" else
+                                            np.float64))))
+
+
+def _and(a: Any, b: Any) -> Any:
+  if a is True:
+    return b
+  if b is True:
+    return a
+  return jnp.logical_and(a, b)
+
+
+def _or(a: Any, b: Any) -> Any:
+  if a is False:
+    return b
+  if b is False:
+    return a
+  return jnp.logical_or(a, b)
+
+
+def _as_bool(x: Any) -> jax.Array:
+  return jnp.asarray(x, jnp.bool_)
+
+
+def _vector(pieces: list) -> jax.Array:
+  if not pieces:
+    return jnp.zeros([0], jnp.int32)
+  return jnp.concatenate([jnp.reshape(jnp.asarray(p, jnp.int32), [-1]) for p in pieces])
+
+
+def _init_like(value: Any, like: Any) -> Any:
+  """``value`` varying along the mesh axes the abstract value ``like`` varies along (a loop
+  carry inside ``shard_map`` must keep its type from one iteration to the next)."""
+  axes = tuple(sorted(T.varying_axes(like) - T.varying_axes(value), key=str))
+  return T.mark_varying(value, axes) if axes else value
+
+
+def _zeros(like: Any) -> Any:
+  return _init_like(jnp.zeros(like.shape, like.dtype), like)
+
+
+def _structs(xs: Sequence[Any]) -> list:
+  return [T.struct(x) for x in xs]
+
+
+def _manual_axes(p: P.ShardMap) -> tuple:
+  return tuple(a for a in p.mesh.axis_names if a in p.axis_names)
+
+
+def _device(axes: tuple) -> jax.Array:
+  """This device's index along the manual mesh ``axes`` (row-major)."""
+  return lax.axis_index(axes)
+
+
+def _everywhere(flag: Any, axes: tuple) -> jax.Array:
+  """Whether ``flag`` holds on every device along ``axes``."""
+  flag = jnp.asarray(flag, jnp.int32)
+  missing = tuple(a for a in axes if a not in T.varying_axes(flag))
+  return lax.pmin(T.mark_varying(flag, missing) if missing else flag, axes) > 0
+
+
+def _on_device(x: jax.Array, device: Any, index: jax.Array, axes: tuple) -> jax.Array:
+  """The value ``x`` has on ``device`` (along ``axes``), on every device."""
+  if x.dtype == jnp.bool_:
+    return _on_device(x.astype(jnp.int32), device, index, axes).astype(jnp.bool_)
+  if not (jnp.issubdtype(x.dtype, jnp.number)):
+    raise ValueError(f"jmp_scaler.find_nonfinite cannot bring a {x.dtype} value out of shard_map")
+  return lax.psum(jnp.where(index == device, x, jnp.zeros((), x.dtype)), axes)
+
+
+# ---------------------------------------------------------------- the probe
+
+
+class Level(NamedTuple):
+  outs: list
+  finite: list  #: each output's finiteness (traced bool or True)
+  record: jax.Array  #: int32 vector, laid out by ``layout``
+  any: Any  #: whether the record holds an origin (traced bool or False)
+  layout: Layout
+  found: list  #: whether each entry of ``layout`` holds an origin (traced bools)
+
+  def first(self) -> jax.Array:
+    """The index of the first entry holding an origin, or a number larger than any."""
+    if not self.found:
+      return jnp.int32(_NO_DEVICE)
+    found = jnp.stack([_as_bool(f) for f in self.found])
+    return jnp.where(jnp.any(found), jnp.argmax(found), _NO_DEVICE).astype(jnp.int32)
+
+
+class _Probe:
+  """Evaluates jaxprs recording their origins (see the module docstring)."""
+
+  def __init__(self):
+    self.axes: tuple = ()  #: the manual mesh axes of the shard_map bodies around the level
+
+  def run(self, closed: Any, args: Sequence[Any], known: Sequence[Any] | None = None,
+          consts: Sequence[Any] | None = None) -> Level:
+    """Evaluates ``closed`` on ``args`` (whose finiteness, where ``known``, is given), with
+    ``consts`` in place of its constants if given."""
+    closed = J.closed(closed)
+    jaxpr = closed.jaxpr
+    env: dict = {}
+    fin: dict = {}
+    for v, x in zip(jaxpr.constvars, closed.consts if consts is None else consts, strict=True):
+      env[v], fin[v] = x, finite(x)
+    known = [None] * len(args) if known is None else known
+    for v, x, k in zip(jaxpr.invars, args, known, strict=True):
+      env[v], fin[v] = x, (finite(x) if k is None else k)
+    read = lambda v: J.read_literal(v, env)  # noqa: E731
+    is_finite = lambda v: _literal_finite(v) if J.is_literal(v) else fin[v]  # noqa: E731
+    pieces: list = []
+    entries: list[Entry] = []
+    founds: list = []
+    size, any_ = 0, False
+    for i, eqn in enumerate(jaxpr.eqns):
+      ins = [read(v) for v in eqn.invars]
+      in_fin = True
+      for v in eqn.invars:
+        in_fin = _and(in_fin, is_finite(v))
+      if self.axes and in_fin is not True and P.is_collective(eqn):
+        in_fin = _everywhere(in_fin, self.axes)  # its inputs are every device's
+      name = eqn.primitive.name
+      body = P.inline_body(eqn)
+      if body is not None:
+        inner = self.run(body, ins, [is_finite(v) for v in eqn.invars])
+        outs, out_fin = inner.outs, inner.finite
+        entry, rec, found = Entry(i, "call", size, (inner.layout,)), inner.record, inner.any
+      elif name in _LOOPS:
+        outs, rec, found, children = _LOOPS[name](self, eqn, ins, [is_finite(v) for v in
+                                                                   eqn.invars])
+        out_fin = [finite(o) for o in outs]
+        entry = Entry(i, name, size, children)
+      elif name in SAME_VALUES:
+        outs = J.bind(eqn, ins)
+        out_fin = [in_fin if _inexact(o) else True for o in outs]
+        entry = None
+      else:
+        outs = J.bind(eqn, ins)
+        out_fin = [finite(o) for o in outs]
+        bad = False
+        for f in out_fin:
+          bad = _or(bad, False if f is True else jnp.logical_not(f))
+        entry = None
+        if bad is not False:
+          origin = _and(in_fin, bad)
+          entry, rec, found = Entry(i, "op", size), origin, origin
+      if entry is not None and (entry.kind == "op" or np.size(rec)):
+        entries.append(entry)
+        pieces.append(rec)
+        size += 1 if entry.kind == "op" else int(np.shape(rec)[0])
+        any_ = _or(any_, found)
+        founds.append(found)
+      for v, o, f in zip(eqn.outvars, outs, out_fin, strict=True):
+        env[v], fin[v] = o, f
+    outs = [read(v) for v in jaxpr.outvars]
+    out_fin = [is_finite(v) for v in jaxpr.outvars]
+    return Level(outs, out_fin, _vector(pieces), any_, Layout(closed, entries, size), founds)
+
+
+def _probe_scan(w: _Probe, eqn: Any, args: list, fins: list) -> tuple:
+  p = P.scan(eqn)
+  consts, init, xs = args[: p.num_consts], args[p.num_consts :][: p.num_carry], args[
+    p.num_consts + p.num_carry :]
+  n = p.num_carry
+  known = [*fins[: p.num_consts], *[None] * (len(args) - p.num_consts)]  # constants: known
+  seen: dict = {}
+
+  def body(carry, x):
+    row, _ = x
+    level = w.run(p.body, [*consts, *carry, *row], known)
+    seen["layout"] = level.layout
+    return level.outs[:n], (level.outs[n:], level.record, _as_bool(level.any))
+
+  index = jnp.arange(p.length, dtype=jnp.int32)
+  carry, (ys, recs, anys) = lax.scan(body, list(init), (list(xs), index), length=p.length,
+                                     reverse=p.reverse, unroll=p.unroll)  # fmt: skip
+  layout = seen["layout"]
+  if layout.size == 0 or p.length == 0:
+    return [*carry, *ys], jnp.zeros([0], jnp.int32), False, (layout,)
+  # The first iteration run: the lowest index, or the highest in a reversed scan.
+  at = (p.length - 1 - jnp.argmax(anys[::-1])) if p.reverse else jnp.argmax(anys)
+  found = jnp.any(anys)
+  rec = _vector([found, at, recs[at]])
+  return [*carry, *ys], rec, found, (layout,)
+
+
+def _probe_while(w: _Probe, eqn: Any, args: list, fins: list) -> tuple:
+  p = P.while_loop(eqn)
+  nc, nb = p.cond_nconsts, p.body_nconsts
+  cconsts, bconsts, init = args[:nc], args[nc : nc + nb], list(args[nc + nb :])
+  cknown = [*fins[:nc], *[None] * len(init)]
+  bknown = [*fins[nc : nc + nb], *[None] * len(init)]
+  first = w.run(p.cond, [*cconsts, *init], [*fins[:nc], *fins[nc + nb :]])
+  seen: dict = {}
+
+  def iteration(carry):
+    body = w.run(p.body, [*bconsts, *carry], bknown)
+    cond = w.run(p.cond, [*cconsts, *body.outs], cknown)
+    seen["layouts"] = (body.layout, cond.layout)
+    rec = jnp.concatenate([body.record, cond.record])
+    return body.outs, rec, _as_bool(_or(body.any, cond.any))
+
+  shapes = jax.eval_shape(lambda c: iteration(c)[1:], _structs(init))
+  layouts = (first.layout, *seen["layouts"])
+  if shapes[0].shape[0] == 0:  # nothing in the loop can make a non-finite value
+    rec = _vector([first.record, 0, 0]) if first.layout.size else _vector([])
+    return J.bind(eqn, args), rec, first.any, layouts
+
+  def body_fun(state):
+    carry, count, found, at, rec = state
+    outs, now, any_ = iteration(carry)
+    new = jnp.logical_and(any_, jnp.logical_not(found))
+    return (outs, count + 1, jnp.logical_or(found, any_), jnp.where(new, count, at),
+            jnp.where(new, now, rec))  # fmt: skip
+
+  def cond_fun(state):
+    return J.run_closed(p.cond)(*cconsts, *state[0])[0]
+
+  start = (init, jnp.int32(0), _init_like(jnp.bool_(False), shapes[1]),
+           _init_like(jnp.int32(0), shapes[1]), _zeros(shapes[0]))  # fmt: skip
+  outs, _, found, at, rec = lax.while_loop(cond_fun, body_fun, start)
+  return list(outs), _vector([first.record, found, at, rec]), _or(first.any, found), layouts
+
+
+def _probe_cond(w: _Probe, eqn: Any, args: list, fins: list) -> tuple:
+  index, ops, known = args[0], list(args[1:]), fins[1:]
+  branches = P.cond_branches(eqn)
+  layouts, shapes = [], []
+  for branch in branches:
+    seen: dict = {}
+
+    def traced(*xs, branch=branch, seen=seen):
+      level = w.run(branch, xs, known)
+      seen["layout"] = level.layout
+      return level.record, _as_bool(level.any)
+
+    shapes.append(jax.eval_shape(traced, *_structs(ops)))
+    layouts.append(seen["layout"])
+  if sum(layout.size for layout in layouts) == 0:
+    return J.bind(eqn, args), jnp.zeros([0], jnp.int32), False, tuple(layouts)
+
+  def make(b):
+    def run(*xs):
+      level = w.run(branches[b], xs, known)
+      recs = [level.record if j == b else _zeros(shapes[j][0]) for j in range(len(branches))]
+      flag = _init_like(_as_bool(level.any), shapes[b][1])
+      for j in range(len(branches)):
+        flag = _init_like(flag, shapes[j][1])
+      return level.outs, _vector(recs), flag
+
+    return run
+
+  outs, rec, found = lax.switch(index, [make(b) for b in range(len(branches))], *ops)
+  return list(outs), rec, found, tuple(layouts)
+
+
+def _probe_shard_map(w: _Probe, eqn: Any, args: list, fins: list) -> tuple:
+  del fins  # a finite array has finite shards, a non-finite one some finite shards
+  p = P.shard_map(eqn)
+  axes = _manual_axes(p)
+  seen: dict = {}
+
+  def body(*xs):
+    outer, w.axes = w.axes, (*w.axes, *axes)
+    try:
+      level = w.run(p.body, xs)
+    finally:
+      w.axes = outer
+    seen["layout"] = level.layout
+    # The device whose first origin comes first in the body (ties: the lowest index).
+    here, position = _device(axes), level.first()
+    best = lax.pmin(position, axes)
+    mine = jnp.logical_and(_as_bool(level.any), position == best)
+    first = lax.pmin(jnp.where(mine, here, _NO_DEVICE), axes)
+    rec = _on_device(level.record, first, here, axes)
+    return (*level.outs, jnp.where(first == _NO_DEVICE, -1, first), rec)
+
+  n_out = len(eqn.outvars)
+  out_specs = (*p.out_specs, PartitionSpec(), PartitionSpec())
+  outs = jax.shard_map(body, mesh=p.mesh, in_specs=p.in_specs, out_specs=out_specs,
+                       axis_names=p.axis_names, check_vma=p.check_vma)(*args)  # fmt: skip
+  layout = seen["layout"]
+  if layout.size == 0:
+    return list(outs[:n_out]), jnp.zeros([0], jnp.int32), False, (layout,)
+  device, rec = outs[n_out], outs[n_out + 1]
+  return list(outs[:n_out]), _vector([device, rec]), device >= 0, (layout,)
+
+
+_LOOPS: dict[str, Callable] = {
+  "scan": _probe_scan, "while": _probe_while, "cond": _probe_cond, "shard_map": _probe_shard_map,
+}  # fmt: skip
+
+
+class Probed(NamedTuple):
+  layout: Layout
+  record: np.ndarray
+  outputs_finite: list[bool]
+  inputs_finite: list[bool]  #: the jaxpr's constants, then its inputs
+
+
+def probe(closed: Any, args: Sequence[Any]) -> Probed:
+  """Runs ``closed`` (a closed jaxpr) on ``args`` as one compiled program recording its
+  origins; its constants are arguments of that program, not constants compiled into it."""
+  closed = J.closed(closed)
+  seen: dict = {}
+
+  def program(consts, args):
+    level = _Probe().run(closed, args, consts=consts)
+    seen["layout"] = level.layout
+    in_fin = [jnp.asarray(finite(x)) for x in (*consts, *args)]
+    return level.record, [jnp.asarray(f) for f in level.finite], in_fin
+
+  rec, out_fin, in_fin = jax.device_get(jax.jit(program)(list(closed.consts), list(args)))
+  return Probed(seen["layout"], np.asarray(rec), [bool(f) for f in out_fin],
+                [bool(f) for f in in_fin])
+
+
+# ---------------------------------------------------------------- the capture
+
+
+class _Capture:
+  """Evaluates jaxprs and returns the inputs of the equation at the end of a path."""
+
+  def __init__(self, n_held: int):
+    self.n_held = n_held  #: the origin's inputs that are not literals
+
+  def run(self, closed: Any, args: Sequence[Any], path: Sequence[Step],
+          consts: Sequence[Any] | None = None) -> tuple[list, list]:
+    closed = J.closed(closed)
+    jaxpr = closed.jaxpr
+    consts = closed.consts if consts is None else consts
+    env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: J.read_literal(v, env)  # noqa: E731
+    step, rest = path[0], path[1:]
+    captured: list = []
+    for i, eqn in enumerate(jaxpr.eqns):
+      ins = [read(v) for v in eqn.invars]
+      if i != step.index:
+        outs = J.bind(eqn, ins)
+      elif step.kind == "op":
+        captured = [x for x, v in zip(ins, eqn.invars, strict=True) if not J.is_literal(v)]
+        outs = J.bind(eqn, ins)
+      elif step.kind == "call":
+        outs, captured = self.run(P.inline_body(eqn), ins, rest)
+      elif step.kind == "scan":
+        outs, captured = self._scan(eqn, ins, step.at, rest)
+      elif step.kind.startswith("while"):
+        outs, captured = self._while(eqn, ins, step, rest)
+      elif step.kind == "cond":
+        outs, captured = self._cond(eqn, ins, step.at, rest)
+      else:
+        outs, captured = self._shard_map(eqn, ins, step.at, rest)
+      env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars], captured
+
+  def _scan(self, eqn, args, at, rest):
+    p = P.scan(eqn)
+    consts, init, xs = args[: p.num_consts], args[p.num_consts :][: p.num_carry], args[
+      p.num_consts + p.num_carry :]
+    n = p.num_carry
+    raw = lambda carry, row: self.run(p.body, [*consts, *carry, *row], rest)  # noqa: E731
+    like = jax.eval_shape(raw, _structs(init), [T.row_struct(x) for x in xs])[1]
+
+    def body(state, x):
+      carry, held = state
+      row, index = x
+      outs, now = raw(carry, row)
+      held = [jnp.where(index == at, a, b) for a, b in zip(now, held, strict=True)]
+      return (outs[:n], held), outs[n:]
+
+    index = jnp.arange(p.length, dtype=jnp.int32)
+    (carry, held), ys = lax.scan(body, (list(init), [_zeros(s) for s in like]),
+                                 (list(xs), index), length=p.length, reverse=p.reverse,
+                                 unroll=p.unroll)  # fmt: skip
+    return [*carry, *ys], held
+
+  def _while(self, eqn, args, step, rest):
+    p = P.while_loop(eqn)
+    nc, nb = p.cond_nconsts, p.body_nconsts
+    cconsts, bconsts, init = args[:nc], args[nc : nc + nb], list(args[nc + nb :])
+    if step.kind == "while_cond0":
+      return J.bind(eqn, args), self.run(p.cond, [*cconsts, *init], rest)[1]
+    in_body = step.kind == "while_body"
+
+    def iteration(carry):
+      if in_body:
+        return self.run(p.body, [*bconsts, *carry], rest)
+      outs = J.run_closed(p.body)(*bconsts, *carry)
+      return outs, self.run(p.cond, [*cconsts, *outs], rest)[1]
+
+    like = jax.eval_shape(lambda c: iteration(c)[1], _structs(init))
+
+    def body_fun(state):
+      carry, count, held = state
+      outs, now = iteration(carry)
+      held = [jnp.where(count == step.at, a, b) for a, b in zip(now, held, strict=True)]
+      return outs, count + 1, held
+
+    def cond_fun(state):
+      return J.run_closed(p.cond)(*cconsts, *state[0])[0]
+
+    outs, _, held = lax.while_loop(cond_fun, body_fun,
+                                   (init, jnp.int32(0), [_zeros(s) for s in like]))
+    return list(outs), held
+
+  def _cond(self, eqn, args, at, rest):
+    index, ops = args[0], list(args[1:])
+    branches = P.cond_branches(eqn)
+    target = lambda *xs: self.run(branches[at], xs, rest)  # noqa: E731
+    like = jax.eval_shape(target, *_structs(ops))[1]
+
+    def make(b):
+      if b == at:
+        return target
+      return lambda *xs: (J.run_closed(branches[b])(*xs), [_zeros(s) for s in like])
+
+    outs, held = lax.switch(index, [make(b) for b in range(len(branches))], *ops)
+    return list(outs), held
+
+  def _shard_map(self, eqn, args, at, rest):
+    p = P.shard_map(eqn)
+    axes = _manual_axes(p)
+
+    def body(*xs):
+      outs, held = self.run(p.body, xs, rest)
+      here = _device(axes)
+      return (*outs, *[_on_device(h, at, here, axes) for h in held])
+
+    n_out = len(eqn.outvars)
+    out_specs = (*p.out_specs, *([PartitionSpec()] * self.n_held))
+    outs = jax.shard_map(body, mesh=p.mesh, in_specs=p.in_specs, out_specs=out_specs,
+                         axis_names=p.axis_names, check_vma=p.check_vma)(*args)  # fmt: skip
+    return list(outs[:n_out]), list(outs[n_out:])
+
+
+def capture(closed: Any, args: Sequence[Any], layout: Layout, path: Sequence[Step]) -> list:
+  """The inputs (literals left out) of the equation at the end of ``path`` (in ``layout``,
+  :func:`probe`'s), from one compiled run of ``closed`` on ``args``."""
+  closed = J.closed(closed)
+  origin = equations(layout, path)[-1]
+  n_held = sum(not J.is_literal(v) for v in origin.invars)
+
+  def program(consts, args):
+    return _Capture(n_held).run(closed, args, path, consts)[1]
+
+  return jax.device_get(jax.jit(program)(list(closed.consts), list(args)))

@@ -1,0 +1,320 @@
+"""jmp_scaler.find_nonfinite: the first operation that makes an inf or a NaN (issue 30).
+
+Each test builds a function whose first non-finite value is made by a known operation on a
+known line, and asserts the phase, the primitive, the line (read back from this file), the
+float32 verdict and where the operation sits (loop iteration, branch, device, autocast).
+"""
+
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_scaler
+
+F16, F32 = jnp.float16, jnp.float32
+HERE = pathlib.Path(__file__).resolve()
+LINES = HERE.read_text().splitlines()
+POLICY = "p=f32,c=f16,o=f32"
+
+
+def line_of(report) -> str:
+  """The text of the line ``report.source`` names (it must be in this file)."""
+  path, _, rest = report.source.partition(" (")[0].rpartition(":")
+  assert pathlib.Path(path).resolve() == HERE, report.source
+  return LINES[int(rest) - 1]
+
+
+def find(fn, *args, **kwargs):
+  report = jmp_scaler.find_nonfinite(fn, *args, **kwargs)
+  assert report is not None
+  str(report)  # always printable
+  return report
+
+
+# ---------------------------------------------------------------- the issue's cases
+
+
+def matmul16(w, x):
+  h = x.astype(F16) @ w.astype(F16)  # the float16 matmul
+  return jnp.sum(h.astype(F32))
+
+
+def test_a_float16_matmul_past_65504_is_float16s_fault():
+  w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)  # 4 * 300 * 100 = 120000
+  r = find(matmul16, w, x)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "dot_general", True)
+  assert "the float16 matmul" in line_of(r) and r.source.endswith("(matmul16)")
+  assert [i.dtype for i in r.inputs] == ["float16", "float16"]
+  assert [i.max_abs for i in r.inputs] == [100.0, 300.0]
+  assert r.outputs[0].inf == 8 and r.first_index == (0, 0)
+  assert r.float32_max_abs == 120000.0
+  text = str(r)
+  assert "forward pass" in text and "a float16 range problem" in text
+  assert "compute this dot_general in float32" in text
+
+
+def log_of(x):
+  return jnp.sum(jnp.log(x - 2.0))  # the log
+
+
+def test_a_log_of_a_negative_number_fails_in_float32_too():
+  r = find(log_of, jnp.ones(3))
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "log", False)
+  assert "the log" in line_of(r)
+  assert r.outputs[0].nan == 3 and r.outputs[0].inf == 0
+  assert "float32 fails too: a bug in the model or the data: log of a negative number" in str(r)
+
+
+def squares(w, x):
+  h = x.astype(F16) @ w.astype(F16)  # h: 32 everywhere
+  return jnp.mean(h.astype(F32) ** 2)
+
+
+def test_a_backward_that_overflows_only_at_scale_2_16():
+  w, x = jnp.full((64, 64), 0.5), jnp.ones((8, 64))
+  assert jmp_scaler.find_nonfinite(squares, w, x) is None  # the forward is finite
+  assert jmp_scaler.find_nonfinite(squares, w, x, scale=2.0**15) is None
+  r = find(squares, w, x, scale=2.0**16)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("backward", "dot_general", True)
+  assert "h: 32 everywhere" in line_of(r)  # the forward matmul this gradient transposes
+  assert r.scale == 2.0**16 and r.float32_max_abs == 65536.0
+  assert "a scale of at most 32768 (2^15) keeps it finite" in r.advice
+
+
+class MLP(nn.Module):
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16, dtype=self.dtype)(x))
+    return nn.Dense(4, dtype=self.dtype)(x)  # the second layer
+
+
+def _mlp_variables(x):
+  variables = MLP().init(jax.random.key(0), x)
+  return jax.tree.map(lambda a: a * 300.0, variables)  # large weights: the second layer overflows
+
+
+def test_a_flax_module_overflow_is_reported_at_the_users_module_line():
+  x = jnp.full((2, 8), 100.0)
+  r = find(MLP(F16).apply, _mlp_variables(x), x)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "dot_general", True)
+  assert "the second layer" in line_of(r) and r.source.endswith("(MLP.__call__)")
+  assert r.autocast is None and r.where == ()
+
+
+def test_the_same_overflow_under_autocast_names_the_rule_and_the_region():
+  x = jnp.full((2, 8), 100.0)
+  variables = _mlp_variables(x)
+  r = find(jmp_scaler.autocast(MLP().apply, POLICY), variables, x)  # a float32 model
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "dot_general", True)
+  assert "the second layer" in line_of(r)
+  assert r.autocast == POLICY and r.where == (f"jit jmp_autocast[{POLICY}](apply)",)
+  assert "rules={'dot_general': 'float32'}" in r.advice and "full_precision" in r.advice
+  # The advice holds: the rule it names keeps the matmul finite.
+  fixed = jmp_scaler.autocast(MLP().apply, POLICY, rules={"dot_general": "float32"})
+  assert jmp_scaler.find_nonfinite(fixed, variables, x) is None
+
+
+def test_a_clean_function_gives_none_forward_and_backward():
+  w, x = jnp.full((4, 4), 0.5), jnp.ones((2, 4))
+  assert jmp_scaler.find_nonfinite(matmul16, w, x) is None
+  assert jmp_scaler.find_nonfinite(matmul16, w, x, scale=2.0**10) is None
+
+
+# ---------------------------------------------------------------- what it sees through
+
+
+def masked_exp(x):
+  return jnp.sum(jnp.where(x > 50.0, 0.0, jnp.exp(x)))  # exp(200) is masked away
+
+
+def test_an_inf_masked_before_the_output_is_still_found():
+  x = jnp.array([1.0, 200.0])
+  assert np.isfinite(masked_exp(x))  # the result is finite...
+  r = find(masked_exp, x)  # ...but exp overflowed on the way
+  assert (r.primitive, r.finite_in_float32, r.first_index) == ("exp", False, (1,))
+  assert "exp(200) is masked away" in line_of(r)
+  assert "the result passes float32's range too" in r.advice
+
+
+def test_an_intentional_minus_inf_is_not_an_origin():
+  fn = lambda x: jnp.max(jnp.where(x > 0, x, -jnp.inf))  # noqa: E731
+  assert jmp_scaler.find_nonfinite(fn, jnp.array([1.0, -1.0])) is None
+
+
+def grows(x):
+  def body(c, _):
+    return c * jnp.float16(10.0), c  # the scan body
+  c, _ = lax.scan(body, x, None, length=8)
+  return c.astype(F32)
+
+
+def test_a_scan_names_the_first_iteration_that_overflows():
+  r = find(grows, jnp.ones(2, F16))  # 1, 10, ..., 1e4, then 1e5 > 65504 at iteration 4
+  assert (r.primitive, r.finite_in_float32) == ("mul", True)
+  assert "the scan body" in line_of(r) and r.where == ("scan iteration 4 of 8",)
+  assert r.inputs[0].max_abs == 10000.0
+
+
+def test_a_reversed_scan_counts_iterations_as_it_runs_them():
+  def fn(xs):
+    return lax.scan(lambda c, x: (c + jnp.exp(x), None), 0.0, xs, reverse=True)[0]  # reversed
+
+  r = find(fn, jnp.array([100.0, 1.0, 100.0, 1.0]))  # runs index 3, then 2: exp(100) overflows
+  assert r.primitive == "exp" and r.where == ("scan iteration 2 of 4, reversed",)
+
+
+def branches(x, flag):
+  return lax.cond(flag, lambda v: v * 1000.0, lambda v: v, x.astype(F16))  # the cond
+
+
+def test_a_cond_names_the_branch_it_took():
+  x = jnp.full(3, 100.0)
+  assert jmp_scaler.find_nonfinite(branches, x, jnp.bool_(False)) is None
+  r = find(branches, x, jnp.bool_(True))
+  assert (r.primitive, r.where, r.finite_in_float32) == ("mul", ("cond branch 1",), True)
+  assert "the cond" in line_of(r)
+
+
+def test_a_while_loop_names_its_iteration():
+  def fn(x, n):
+    return lax.fori_loop(0, n, lambda i, v: v * 16.0, x)  # the loop body
+
+  r = find(fn, jnp.ones(2, F16), jnp.int32(10))  # 16^4 = 65536: iteration 3 overflows
+  assert (r.primitive, r.where, r.finite_in_float32) == ("mul", ("while_loop iteration 3",), True)
+  assert "the loop body" in line_of(r)
+
+
+@jax.custom_vjp
+def amplify(x):
+  return x
+
+
+def _amplify_bwd(_, g):
+  return ((g.astype(F16) * 8.0).astype(F32),)  # the custom backward rule
+
+
+amplify.defvjp(lambda x: (x, None), _amplify_bwd)
+
+
+def test_custom_vjp_forward_and_backward_are_opened():
+  loss = lambda x: jnp.sum(amplify(jnp.exp(x)))  # noqa: E731 - exp inside the custom function
+  r = find(loss, jnp.array([1.0, 100.0]))
+  assert r.primitive == "exp" and r.phase == "forward"
+  x = jnp.ones(2)
+  assert jmp_scaler.find_nonfinite(loss, x, scale=2.0**12) is None  # 8 * 4096 fits
+  r = find(loss, x, scale=2.0**13)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("backward", "mul", True)
+  # JAX gives the rule's operations the traceback of the call they differentiate.
+  assert "amplify(jnp.exp(x))" in line_of(r)
+  assert r.inputs[0].dtype == "float16" and r.inputs[0].max_abs == 2.0**13
+  assert "2^12" in r.advice
+
+
+def test_remat_and_jit_bodies_are_opened():
+  @jax.jit
+  def inner(x):
+    return jax.checkpoint(lambda v: jnp.exp(v))(x)  # exp under remat
+
+  r = find(lambda x: jnp.sum(inner(x)), jnp.array([1.0, 100.0]))
+  assert r.primitive == "exp" and "exp under remat" in line_of(r)
+  assert r.where[0] == "jit inner" and r.where[1].startswith(("remat", "checkpoint"))
+
+
+def test_shard_map_names_the_device():
+  mesh = jax.make_mesh((1,), ("d",))
+  body = lambda x: lax.psum(jnp.sum(jnp.exp(x)), "d")  # noqa: E731 - exp on each shard
+  fn = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P())
+  x = jax.device_put(jnp.array([1.0, 100.0]), NamedSharding(mesh, P("d")))
+  r = find(fn, x)
+  assert r.primitive == "exp" and r.where == ("shard_map device 0 of 1",)
+  assert "exp on each shard" in line_of(r)
+
+
+# ---------------------------------------------------------------- NNX, equinox, losses
+
+
+class Scaled(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 16, dtype=F16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear(x) * 1000.0  # the module's multiply
+
+
+def test_an_nnx_module_call_and_its_parameters_gradient():
+  model = Scaled(nnx.Rngs(0))
+  r = find(model, jnp.full((2, 8), 100.0))
+  assert (r.primitive, r.finite_in_float32) == ("mul", True)
+  assert "the module's multiply" in line_of(r) and r.source.endswith("(Scaled.__call__)")
+
+  def loss(model, x):
+    return jnp.mean(model.linear(x).astype(F32))  # the NNX loss
+
+  x = jnp.full((8, 8), 8.0)  # d kernel = x^T (scale / 128): 8 * 8 * scale / 128
+  assert jmp_scaler.find_nonfinite(loss, model, x, scale=2.0**16) is None
+  r = find(loss, model, x, scale=2.0**17)
+  assert (r.phase, r.primitive) == ("backward", "dot_general") and "the NNX loss" in line_of(r)
+
+
+def test_an_equinox_module_as_the_differentiated_argument():
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.Linear(8, 4, dtype=F16, key=jax.random.key(0))
+
+  def loss(model, x):
+    return jnp.mean(jax.vmap(model)(x).astype(F32))  # the equinox loss
+
+  x = jnp.full((8, 8), 8.0, F16)  # d weight = 8 * 8 * scale / 32
+  assert jmp_scaler.find_nonfinite(loss, model, x, scale=2.0**14) is None
+  r = find(loss, model, x, scale=2.0**15)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("backward", "dot_general", True)
+  assert "the equinox loss" in line_of(r)
+
+
+def test_a_float16_loss_times_the_scale_is_named_as_such():
+  loss = lambda x: jnp.sum(x.astype(F16))  # noqa: E731
+  r = find(loss, jnp.ones(4), scale=2.0**16)
+  assert (r.phase, r.primitive) == ("backward", "convert_element_type")
+  assert r.source.startswith("the loss's cast to float32 before the scale multiply")
+  assert "Keep the loss in float32" in r.advice
+
+
+def test_static_arguments_and_keywords():
+  def fn(x, power, *, mode):
+    y = x**power
+    return jnp.log(y) if mode == "log" else y.astype(F16)  # the static branch
+
+  x = jnp.full(2, 300.0)
+  r = find(fn, x, 2, mode="cast")  # 90000 > 65504
+  assert (r.primitive, r.finite_in_float32) == ("convert_element_type", True)
+  assert "the cast to float16" in r.advice and "rescale it before the cast" in r.advice
+  assert jmp_scaler.find_nonfinite(fn, x, 2, mode="log") is None
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan"), True, "big",
+                                   jnp.ones(2)])  # fmt: skip
+def test_a_bad_scale_is_refused_at_the_call(scale):
+  with pytest.raises(ValueError, match="scale must be a positive, finite number"):
+    jmp_scaler.find_nonfinite(log_of, jnp.ones(3), scale=scale)
+
+
+def test_bad_functions_and_inputs_are_refused_clearly():
+  with pytest.raises(ValueError, match="fn must be callable, got 3"):
+    jmp_scaler.find_nonfinite(3, jnp.ones(2))
+  with pytest.raises(ValueError, match="fn must return a floating scalar loss"):
+    jmp_scaler.find_nonfinite(lambda x: x * 2, jnp.ones(2), scale=2.0)
+  with pytest.raises(ValueError, match=r"in the inputs already \(args\[1\]\['x'\]\)"):
+    jmp_scaler.find_nonfinite(lambda w, b: w * b["x"], jnp.ones(2),
+                              {"x": jnp.array([1.0, jnp.nan])})  # fmt: skip
