@@ -8,14 +8,18 @@ largest finite value is 65504. The session follows the article's habits:
    warns that the scale collapses;
 2. control: a fixed scale of 1 (``fixed_scale(1.0)``) still skips every
    step, so no loss scale can help: something overflows on its own;
-3. ``nonfinite_report(grads)``: every gradient leaf is NaN, so the forward
-   pass is already broken;
-4. ``nonfinite_report`` of the float16 inputs and of each layer's output
-   (flax's ``capture_intermediates``) names the first culprit, and
-   ``underflow_report`` of the float32 inputs names the feature that cannot
-   be represented. Its advice names a *loss* scale, which multiplies the
-   gradients and never the inputs: for an input, read it as the factor the
-   data itself must shrink by, which step 2 showed no loss scale can do;
+3. ``find_nonfinite(loss_fn, params, x, y, policy, scale=...)``, one call on
+   one batch: the first inf is made by the cast of the inputs to float16 on
+   ``loss_fn``'s line, in the forward pass, in the ``price`` column, and
+   float32 would have been finite: float16's range, not a bug;
+4. the per-leaf reports confirm it: ``nonfinite_report(grads)`` (every
+   gradient leaf is NaN: the forward pass is broken), ``nonfinite_report`` of
+   the float16 inputs and of each layer's output (flax's
+   ``capture_intermediates``), and ``underflow_report`` of the float32 inputs,
+   which names the feature that cannot be represented. Its advice names a
+   *loss* scale, which multiplies the gradients and never the inputs: for an
+   input, read it as the factor the data itself must shrink by, which step 2
+   showed no loss scale can do;
 5. fix: standardise the features (in float32, before the cast), retrain, and
    compare with the float32 baseline.
 
@@ -122,12 +126,20 @@ def main(argv=None) -> dict[str, float]:
   print("  still every step skipped: no loss scale can fix this, something overflows by itself.")
 
   x, y = raw[0][: args.batch], raw[1][: args.batch]
-  print("\n== 3. which gradients? jmp_scaler.nonfinite_report(grads) ==")
+  print("\n== 3. which operation? jmp_scaler.find_nonfinite, one call on one batch ==")
+  # The scale is dynamic_scale's first; the forward pass turns out to be broken already.
+  found = jmp_scaler.find_nonfinite(loss_fn, params, x, y, FP16, scale=2.0**16)
+  print(found)
+  column = found.first_index[-1]
+  print(f"  the first inf is in column {column} of the batch, {FEATURES[column]!r}: "
+        f"{found.primitive} in the {found.phase} pass, finite in float32: "
+        f"{found.finite_in_float32}.")
+
+  print("\n== 4. the per-leaf reports agree: which gradients, which layer? ==")
   loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=3)(params, x, y, FP16)
   print(jmp_scaler.nonfinite_report(grads))
   print(f"  the loss of this batch is {float(loss)}: the forward pass is already broken.")
-
-  print("\n== 4. which layer? nonfinite_report of the inputs and of every layer's output ==")
+  print("  nonfinite_report of the inputs and of every layer's output:")
   x16 = FP16.cast_to_compute(x)
   _, inter = jax.jit(lambda p, x: MLP().apply(FP16.cast_to_compute(p), x,
                                               capture_intermediates=True))(params, x16)

@@ -247,6 +247,17 @@ def test_debugging_reads_the_input_advice_consistently_with_the_control():
 
 
 @pytest.mark.slow
+@pytest.mark.runs("debugging")
+def test_debugging_finds_the_raw_feature_cast_in_one_call():
+  step3 = " ".join(output("debugging").split("== 3.")[1].split("== 4.")[0].split())  # unwrapped
+  assert "the first inf/NaN is made in the forward pass by" in step3
+  assert re.search(r"convert_element_type at \S*examples/debugging\.py:\d+ \(loss_fn\)", step3)
+  assert "float32 finite" in step3 and "a float16 range problem" in step3
+  assert "rescale it before the cast (standardise the data" in step3
+  assert "column 7 of the batch, 'price'" in step3
+
+
+@pytest.mark.slow
 @pytest.mark.runs("underflow")
 def test_underflow_names_a_scale_for_the_whole_loss():
   text = output("underflow")
