@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jmp_scaler import _validation as validation
@@ -20,6 +21,37 @@ def _scale_of(source: Any) -> jax.Array:
   elif hasattr(source, "opt_state") and hasattr(source, "apply_gradients"):
     source = source.opt_state
   return get_scale(source)
+
+
+def is_inexact_array(x: Any) -> bool:
+  """Whether ``x`` is a floating or complex JAX or NumPy array: a leaf that is differentiated.
+
+  ``equinox.is_inexact_array``'s rule: Python numbers, integer and boolean
+  arrays, PRNG keys, strings, functions and any other leaf are not.
+  """
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+      x.dtype, jnp.inexact)
+
+
+class _Partition:
+  """One argument split into its inexact array leaves and the rest, held as they are."""
+
+  def __init__(self, tree: Any):
+    leaves, self.treedef = jax.tree.flatten(tree)
+    self.mask = [is_inexact_array(x) for x in leaves]
+    self.static = leaves
+    self.diff = [x for x, m in zip(leaves, self.mask, strict=True) if m]
+
+  def combine(self, diff: list[Any]) -> Any:
+    """The argument with its inexact leaves replaced by ``diff`` (tracers, when differentiated)."""
+    it = iter(diff)
+    return self.treedef.unflatten(
+        [next(it) if m else x for x, m in zip(self.static, self.mask, strict=True)])
+
+  def grads(self, diff_grads: list[Any]) -> Any:
+    """The gradient tree: ``diff_grads`` at the inexact leaves, ``None`` elsewhere."""
+    it = iter(diff_grads)
+    return self.treedef.unflatten([next(it) if m else None for m in self.mask])
 
 
 def value_and_grad(
@@ -41,22 +73,36 @@ def value_and_grad(
     state = state.apply_gradients(grads=grads)
 
   The scale is read from ``scale_from`` when the returned function is called
-  (inside ``jax.jit``, ``nnx.jit`` or ``shard_map``: no host sync). Without
-  a scaler in it the scale is 1 and this is ``jax.value_and_grad``. When the
-  differentiated argument is an NNX module, ``nnx.value_and_grad`` is used,
-  with the optimizer's ``wrt`` filter when ``scale_from`` is an NNX optimizer.
+  (inside ``jax.jit``, ``nnx.jit``, ``eqx.filter_jit`` or ``shard_map``: no
+  host sync). Without a scaler in it the scale is 1.
+
+  Only the inexact (floating and complex) array leaves of the differentiated
+  arguments are differentiated, as ``eqx.filter_value_and_grad`` does: every
+  other leaf (a Python number, a string, a function, an integer array, a PRNG
+  key) is passed to ``fun`` as it is and gets ``None`` in the gradient tree.
+  So an equinox module, which holds ``hidden_size: int``, ``axis_name="batch"``
+  and activation functions, is differentiated as it is, and the gradients fit
+  ``eqx.apply_updates`` and an optimizer initialised on
+  ``eqx.filter(model, eqx.is_inexact_array)``; a tree of floating arrays (Flax
+  ``params``) gets ``jax.value_and_grad``'s gradients. When the differentiated
+  argument is an NNX module, ``nnx.value_and_grad`` is used, with the
+  optimizer's ``wrt`` filter when ``scale_from`` is an NNX optimizer.
 
   Args:
     fun: returns a scalar loss, or ``(loss, aux)`` with ``has_aux=True``.
     scale_from: a :class:`jmp_scaler.TrainState`, a
       :class:`jmp_scaler.NNXOptimizer` (or ``nnx.Optimizer``), or an
       ``opt_state`` holding the scaler.
-    argnums: as in ``jax.value_and_grad`` (an integer for NNX modules).
-    has_aux: as in ``jax.value_and_grad``; ``aux`` is returned untouched.
+    argnums: as in ``jax.value_and_grad``, each argument once (an integer for
+      NNX modules).
+    has_aux: as in ``jax.value_and_grad``; ``aux`` (an ``eqx.nn.State``, Flax's
+      ``batch_stats``) is returned untouched.
 
   Returns:
     A function with ``fun``'s arguments returning ``(loss, grads)`` or
-    ``((loss, aux), grads)``.
+    ``((loss, aux), grads)``; ``grads`` has the differentiated argument's
+    structure (a tuple of them for a tuple ``argnums``), ``None`` at the
+    leaves that are not inexact arrays.
 
   Raises:
     ValueError: for an invalid ``argnums`` or ``has_aux``, when built.
@@ -78,6 +124,9 @@ def value_and_grad(
       raise ValueError("argnums must name at least one argument, got ()")
   else:
     argnums = validation.integer("argnums", argnums, 0)
+  nums = (argnums,) if isinstance(argnums, int) else argnums
+  if len(set(nums)) != len(nums):
+    raise ValueError(f"argnums must name each argument once, got {argnums!r}")
 
   def scaled(scale, *args, **kwargs):
     out = fun(*args, **kwargs)
@@ -93,7 +142,7 @@ def value_and_grad(
   def wrapped(*args, **kwargs):
     scale = _scale_of(scale_from)  # read once, outside the differentiated function
     first = argnums if isinstance(argnums, int) else argnums[0]
-    if first >= len(args):
+    if max(nums) >= len(args):
       raise ValueError(f"argnums={argnums!r} but fun was called with {len(args)} arguments")
     if isinstance(args[first], nnx.Module):
       if not isinstance(argnums, int):
@@ -101,10 +150,22 @@ def value_and_grad(
       wrt = getattr(scale_from, "wrt", nnx.Param)
       shifted = nnx.DiffState(argnums + 1, wrt)
       grad_fn = nnx.value_and_grad(scaled, argnums=shifted, has_aux=True)
-    else:
-      shifted = argnums + 1 if isinstance(argnums, int) else tuple(a + 1 for a in argnums)
-      grad_fn = jax.value_and_grad(scaled, argnums=shifted, has_aux=True)
-    (_, (loss, aux)), grads = grad_fn(scale, *args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
+      (_, (loss, aux)), grads = grad_fn(scale, *args, **kwargs)
+      return ((loss, aux) if has_aux else loss), grads
+    # Differentiate the inexact array leaves of each argument; every other leaf (a Python
+    # number, a string, a function, an integer array) is held as it is, as equinox does.
+    parts = [_Partition(args[i]) for i in nums]
+
+    def on_leaves(scale, diffs):
+      full = list(args)
+      for i, part, diff in zip(nums, parts, diffs, strict=True):
+        full[i] = part.combine(diff)
+      return scaled(scale, *full, **kwargs)
+
+    grad_fn = jax.value_and_grad(on_leaves, argnums=1, has_aux=True)
+    (_, (loss, aux)), diff_grads = grad_fn(scale, [part.diff for part in parts])
+    grads = [part.grads(g) for part, g in zip(parts, diff_grads, strict=True)]
+    return ((loss, aux) if has_aux else loss), (grads[0] if isinstance(argnums, int)
+                                                else tuple(grads))
 
   return wrapped
