@@ -206,15 +206,23 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
   scale = _check_scale(scale)
   call = _Call(fn, args, kwargs)
   closed, shape = jax.make_jaxpr(call.flat, return_shape=True)(*call.dynamic)
-  if scale is not None:
-    _check_loss(shape)
-  found = _search(closed, call.dynamic, call.names, "forward", None)
-  if found is not None or scale is None:
-    return found
+  forward = _Search(closed, call.dynamic, call.names)
+  if scale is None:
+    return forward.report("forward", None)
+  _check_loss(shape)
+  # One compiled run of the loss and its gradient. Its first origin is a backward one when a
+  # transposition holds it; any other is in the forward part of the program (a forward
+  # operation, or a factor of a derivative): the forward pass alone tells which.
   diff, other = call.split_first()
-  grad = jax.make_jaxpr(jax.grad(call.scaled(scale)))(diff, other)
-  names = [call.names[i] for i in (*call.first, *call.rest)]
-  return _search(grad, [*diff, *other], names, "backward", scale)
+  grad = jax.make_jaxpr(jax.value_and_grad(call.scaled(scale)))(diff, other)
+  backward = _Search(grad, [*diff, *other], [call.names[i] for i in (*call.first, *call.rest)])
+  if backward.path is None:
+    return backward.report("backward", scale)  # None, or the inputs' error
+  if not any("transpose(" in S.name_stack(e) for e in backward.eqns):
+    found = forward.report("forward", None)
+    if found is not None:
+      return found
+  return backward.report("backward", scale)
 
 
 def _check_scale(scale: Any) -> float | None:
@@ -340,24 +348,44 @@ def _name(path: tuple) -> str:
 # ---------------------------------------------------------------- the search
 
 
-def _search(closed: Any, args: list, names: list[str], phase: str,
-            scale: float | None) -> NonFiniteOp | None:  # fmt: skip
-  probed = W.probe(closed, args)
-  path = W.first_origin(probed.layout, probed.record)
-  if path is None:
-    if all(probed.outputs_finite):
-      return None
-    n_consts = len(J.closed(closed).consts)
-    bad = [names[i - n_consts] if i >= n_consts else "an array fn closes over (a constant)"
-           for i, ok in enumerate(probed.inputs_finite) if not ok]
-    what = "result" if phase == "forward" else "gradient"
-    raise ValueError(
-      f"fn's {what} holds inf/NaN, but no operation made it: it was in the inputs already "
-      f"({', '.join(bad) or 'none found'}). Check the data (jmp_scaler.nonfinite_report) and "
-      "the previous step.")
-  eqns = W.equations(probed.layout, path)
-  held = W.capture(closed, args, probed.layout, path)
-  return _report(phase, eqns, path, held, scale)
+class _Search:
+  """A jaxpr's first origin (:mod:`._walk`), found lazily by one compiled run."""
+
+  def __init__(self, closed: Any, args: list, names: list[str]):
+    self.closed, self.args, self.names = closed, args, names
+    self._probed: W.Probed | None = None
+
+  @property
+  def probed(self) -> W.Probed:
+    if self._probed is None:
+      self._probed = W.probe(self.closed, self.args)
+    return self._probed
+
+  @property
+  def path(self) -> list | None:
+    return W.first_origin(self.probed.layout, self.probed.record)
+
+  @property
+  def eqns(self) -> list:
+    return W.equations(self.probed.layout, self.path)
+
+  def report(self, phase: str, scale: float | None) -> NonFiniteOp | None:
+    """The origin's report, None if every value is finite; raises ValueError if an output is
+    not finite while no operation made it (it came with the inputs)."""
+    path = self.path
+    if path is None:
+      if all(self.probed.outputs_finite):
+        return None
+      n_consts = len(J.closed(self.closed).consts)
+      bad = [self.names[i - n_consts] if i >= n_consts else "an array fn closes over"
+             for i, ok in enumerate(self.probed.inputs_finite) if not ok]  # fmt: skip
+      what = "result" if phase == "forward" or not self.probed.outputs_finite[0] else "gradient"
+      raise ValueError(
+        f"fn's {what} holds inf/NaN, but no operation made it: it was in the inputs already "
+        f"({', '.join(bad) or 'none found'}). Check the data (jmp_scaler.nonfinite_report) and "
+        "the previous step.")
+    held = W.capture(self.closed, self.args, self.probed.layout, path)
+    return _report(phase, self.eqns, path, held, scale)
 
 
 def _report(phase: str, eqns: list, path: list, held: list, scale: float | None) -> NonFiniteOp:
@@ -574,7 +602,7 @@ def _advice(r: NonFiniteOp, inputs: list, in_scale: bool) -> str:
     why = f"not {half}'s range" if half != "float32" else "not a matter of precision"
     return (f"float32 fails too: a bug in the model or the data{': ' + hint if hint else ''}, "
             f"{why}. Fix the data, or {guard} at {r.source}")
-  if r.phase == "backward" and in_scale:
+  if r.phase == "backward" and in_scale and r.primitive == "convert_element_type":
     return (f"the loss is {_narrow(r)}: the gradient starts as the scale ({r.scale:g}) in "
             f"{_narrow(r)}, which overflows. Keep the loss in float32 (a policy with "
             "output=float32, or .astype(jnp.float32) before the loss's reduction)")
