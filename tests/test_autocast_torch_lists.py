@@ -35,7 +35,7 @@ from jax.scipy.special import erfinv
 
 import jmp_scaler
 from tests import _xla
-from tests.test_autocast_fn import result_dtype
+from tests.test_autocast_fn import eqns, in_dtypes, result_dtype
 
 # Fast XLA:CPU compilation: these programs run for microseconds; the fusion emitters
 # alone take three quarters of compiling ~120 small ops.
@@ -45,6 +45,7 @@ pytestmark = pytest.mark.filterwarnings(  # jnp's own, for .at[].set of float32 
 POLICIES = {"float16": "p=f32,c=f16,o=f32", "bfloat16": "p=f32,c=bf16,o=f32"}
 N = 8
 _RNG = np.random.default_rng(0)
+_OWN = np.random.default_rng(1)  # cases added later: the others keep their draws
 
 
 def _both_halves(x):
@@ -93,9 +94,10 @@ class Op:
   """One op of torch's lists and its JAX counterpart.
 
   ``out`` is the result dtype here ("compute", "float32" or "bool"); where it is not
-  torch's, ``why`` says why (docs/autocast.md says the same). ``eps``: a documented
-  difference in value, the relative error in units of the half dtype's epsilon (a
-  constant rounded to the input dtype when the function was traced).
+  torch's, ``why`` says why (docs/autocast.md says the same). ``torch_out``: torch's
+  result dtype where it is not its list's (an explicit ``dtype=``). ``eps``: a
+  documented difference in value, the relative error in units of the half dtype's
+  epsilon (a constant rounded to the input dtype when the function was traced).
   """
 
   torch: str
@@ -105,6 +107,7 @@ class Op:
   out: str
   why: str = ""
   eps: float = 0.0
+  torch_out: str = ""
 
   @property
   def id(self):
@@ -217,6 +220,8 @@ def grid_sample(x, grid):
 MATMUL_IN_COMPUTE = "a matmul in JAX (dot_general): runs in the compute dtype, as matmul does"
 BIAS = "the bias add is a separate add, which promotes with the float32 bias"
 NOT_MATMUL = "not a matmul in JAX: runs in its inputs' dtype (float32 here)"
+EXPLICIT_DTYPE = ("jnp.sum(x16, dtype=jnp.float16) traces to the jaxpr of lax.reduce_sum(x16): "
+                  "a float16 reduction, which autocast runs in float32 like any other")
 CELL = "matmuls in the compute dtype; the bias adds and gates promote to float32"
 
 
@@ -289,6 +294,8 @@ def _float32():
        "float32"),
     Op("pow (scalar)", "float32", lambda x: x**1.7, (H(np.clip(_RNG.normal(size=N) + 1, 0, 100)),),
        "float32", eps=4),
+    Op("pow (jnp.power, Python exponent)", "float32", lambda x: jnp.power(x, 1.7),
+       (H(np.clip(_OWN.normal(size=N) * 20 + 30, 0.5, 100)),), "float32", eps=4),
     Op("__pow__", "float32", lambda x: x**1.5, (rand(N),), "float32"),
     Op("__rpow__", "float32", lambda x: 2.0**x, (p(),), "float32"),
     Op("softmax", "float32", functools.partial(jax.nn.softmax, axis=0), (p(),), "float32"),
@@ -336,6 +343,8 @@ def _float32():
     Op("renorm", "float32", renorm, (m(),), "float32"),
     Op("sum", "float32", jnp.sum, (p(),), "float32"),
     Op("sum (dim=1)", "float32", functools.partial(jnp.sum, axis=1), (m(),), "float32"),
+    Op("sum (dtype=float16)", "float32", lambda x: jnp.sum(x, dtype=x.dtype),
+       (H(_OWN.normal(size=N)),), "float32", EXPLICIT_DTYPE, torch_out="compute"),
     Op("softplus", "float32", jax.nn.softplus, (p(),), "float32"),
     Op("nll_loss", "float32", nll, (F(_RNG.uniform(size=(N, N))), ints(N, value=0)), "float32"),
     Op("nll_loss2d", "float32",
@@ -469,7 +478,7 @@ CASES = [pytest.param(op, half, id=f"{op.id}-{half}") for half in POLICIES for o
 
 def test_every_case_without_a_reason_is_torchs_dtype():
   for op in OPS:
-    torch = TORCH_OUT.get(op.table, op.out if op.out in TORCH_BUILTIN else None)
+    torch = op.torch_out or TORCH_OUT.get(op.table, op.out if op.out in TORCH_BUILTIN else None)
     assert op.why or op.out == torch, op.torch
     assert not op.why or op.out != torch or op.table == "promote", op.torch
 
@@ -566,6 +575,70 @@ def test_no_reduction_norm_softmax_or_loss_over_float16_overflows_where_float32_
   got = np.asarray(auto, np.float64)
   assert np.isfinite(got).all()
   np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ differences without a fix
+# What autocast cannot tell apart in a jaxpr (docs/autocast.md gives each its row and reason).
+
+
+@pytest.mark.parametrize("half", POLICIES)
+def test_vdot_dot_and_tensordot_are_the_jaxpr_of_matmul_so_their_product_is_in_the_compute_dtype(
+    half):
+  rng = np.random.default_rng(7)
+  x16 = jnp.asarray(rng.normal(size=N), half)
+  y32 = jnp.asarray(rng.normal(size=N), jnp.float32)  # not representable in the half dtype
+  matmul = str(jax.make_jaxpr(jnp.matmul)(x16, y32))
+  for fn in (jnp.vdot, jnp.dot, jnp.tensordot):
+    axes = {"axes": 1} if fn is jnp.tensordot else {}
+    assert str(jax.make_jaxpr(functools.partial(fn, **axes))(x16, y32)) == matmul, fn
+  policy = POLICIES[half]
+  assert in_dtypes(jmp_scaler.autocast(jnp.vdot, policy), x16, y32)["dot_general"] == {half}
+  vdot, mm, promoted = jax.jit(lambda x, y: (
+      jmp_scaler.autocast(jnp.vdot, policy)(x, y), jmp_scaler.autocast(jnp.matmul, policy)(x, y),
+      jmp_scaler.full_precision(jnp.vdot)(x, y)), compiler_options=FAST)(x16, y32)  # fmt: skip
+  assert vdot.dtype == jnp.float32 and vdot == mm  # o=f32: the float16 product, widened
+  # torch's promoted float32 product is what full_precision gives; autocast's is not it.
+  ref = np.dot(np.asarray(x16, np.float64), np.asarray(y32, np.float64))
+  assert promoted.dtype == jnp.float32 and abs(float(promoted) - ref) < 1e-5 * np.abs(ref) + 1e-6
+  assert float(vdot) != float(promoted)
+
+
+def test_bilinear_is_two_matmuls_in_the_jaxpr_in_the_compute_dtype():
+  x1, x2 = jnp.ones((2, 3), jnp.float16), jnp.ones((2, 4), jnp.float32)
+  w = jnp.ones((5, 3, 4), jnp.float16)
+  bilinear = lambda x1, x2, w: jnp.einsum("bi,oij,bj->bo", x1, w, x2)  # noqa: E731
+  names = [e.primitive.name for e in eqns(jax.make_jaxpr(bilinear)(x1, x2, w))]
+  assert [n for n in names if n != "convert_element_type"] == ["dot_general"] * 2  # two matmuls
+  f = jmp_scaler.autocast(bilinear, POLICIES["float16"])
+  assert in_dtypes(f, x1, x2, w)["dot_general"] == {"float16"}
+
+
+def test_a_python_exponent_is_rounded_to_the_input_dtype_before_autocast_sees_it():
+  f = jmp_scaler.autocast(lambda x: jnp.power(x, 1.7), POLICIES["float16"])
+  x = np.asarray([3.0, 50.0], np.float16)
+  (pow_eqn,) = [e for e in eqns(jax.make_jaxpr(f)(x)) if e.primitive.name == "pow"]
+  assert float(pow_eqn.invars[1].val) == 1.7001953125  # the Python 1.7 is gone
+  exact = jmp_scaler.autocast(lambda x: jnp.power(x, jnp.float32(1.7)), POLICIES["float16"])
+  got, kept = jax.jit(lambda x: (f(x), exact(x)), compiler_options=FAST)(x)
+  assert got.dtype == jnp.float32  # the float32 op, with the rounded exponent
+  x64 = np.asarray(x, np.float64)
+  np.testing.assert_allclose(got, x64**1.7001953125, rtol=2e-6)
+  err = abs(float(got[1]) / 50.0**1.7 - 1)
+  assert 7.4e-4 < err < 7.8e-4, err  # |ln 50| * (1.7001953125 - 1.7): torch's pow has 1.7
+  np.testing.assert_allclose(kept, x64**1.7, rtol=2e-6)  # a float32 exponent is exact
+
+
+@pytest.mark.parametrize("half", POLICIES)
+def test_sum_with_an_explicit_half_dtype_is_the_jaxpr_of_a_half_reduction(half):
+  x = jnp.asarray(np.random.default_rng(8).normal(size=N), half)
+  explicit = lambda x: jnp.sum(x, dtype=x.dtype)  # noqa: E731
+  reduction = lambda x: lax.reduce_sum(x, (0,))  # noqa: E731
+  assert str(jax.make_jaxpr(explicit)(x)) == str(jax.make_jaxpr(reduction)(x))
+  region = jax.make_jaxpr(jmp_scaler.autocast(explicit, POLICIES[half]))(x).eqns[0].params["jaxpr"]
+  assert result_dtype(region) == jnp.float32  # torch: the dtype asked for
+  kept = jmp_scaler.autocast(explicit, POLICIES[half], rules={"reduce_sum": "promote"})
+  region = jax.make_jaxpr(kept)(x).eqns[0].params["jaxpr"]
+  assert result_dtype(region) == jnp.dtype(half)
 
 
 # ------------------------------------------------------------------ the docs table
