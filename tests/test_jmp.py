@@ -397,26 +397,26 @@ EXHAUSTIVE = jnp.asarray((np.arange(256)[:, None] >> np.arange(8)) & 1, bool)  #
 RANDOM = jnp.asarray(np.random.default_rng(2).random((16, 96)) < 0.85)  # mostly finite
 
 
-def _real_history(init, period, factor, floor, patterns):
-  """The real jmp's scales and counters: its adjust, rebuilt each step (its floor kept)."""
+def _histories(init, period, factor, floor, patterns):
+  """The scales and counters of the real jmp and of ours, for each pattern, in one program.
 
-  def body(carry, finite):
+  The real jmp's adjust runs on a DynamicLossScale rebuilt each step (so that its floor is
+  kept); ours is carried as users carry it, the object itself through scan.
+  """
+
+  def real(carry, finite):
     ls = real_jmp.DynamicLossScale(carry[0], carry[1], int(period), factor, np.float32(floor))
     ls = ls.adjust(finite)
     return (ls.loss_scale, ls.counter), (ls.loss_scale, ls.counter)
 
-  run = lambda pat: jax.lax.scan(body, (jnp.float32(init), jnp.int32(0)), pat)[1]  # noqa: E731
-  return jax.jit(jax.vmap(run))(patterns)
-
-
-def _our_history(loss_scale, patterns):
-  """Ours, as users carry it: the DynamicLossScale itself through scan (flattened each step)."""
-
-  def body(ls, finite):
+  def ours(ls, finite):
     ls = ls.adjust(finite)
     return ls, (ls.loss_scale, ls.counter)
 
-  return jax.jit(jax.vmap(lambda pat: jax.lax.scan(body, loss_scale, pat)[1]))(patterns)
+  start = jmp.DynamicLossScale(np.float32(init), 0, period, factor, floor)
+  both = lambda pat: (jax.lax.scan(real, (jnp.float32(init), jnp.int32(0)), pat)[1],  # noqa: E731
+                      jax.lax.scan(ours, start, pat)[1])
+  return jax.jit(jax.vmap(both))(patterns)
 
 
 @pytest.mark.parametrize(("init", "period", "factor", "floor", "patterns"), [
@@ -426,12 +426,12 @@ def _our_history(loss_scale, patterns):
     (10., 5., 2., 0., EXHAUSTIVE),  # jmp's float period: its counter turns float, ours int32
     (3., 4, 1.5, 1., RANDOM),
     (2.**125, 2, 2, 1., RANDOM),  # growth past float32's top is refused (first_finite)
-])
+], ids=["period1-every8", "factor3-floor.37-every8", "period3-floor.3125-every8",
+        "float-period-floor0-every8", "factor1.5-random", "float32-top-random"])
 def test_the_scale_history_is_the_real_jmps_for_every_pattern(init, period, factor, floor,
                                                               patterns):
-  want_scales, want_counters = _real_history(init, period, factor, floor, patterns)
-  ours = jmp.DynamicLossScale(np.float32(init), 0, period, factor, floor)
-  scales, counters = _our_history(ours, patterns)
+  (want_scales, want_counters), (scales, counters) = _histories(init, period, factor, floor,
+                                                                patterns)
   assert scales.dtype == np.float32 and counters.dtype == np.int32
   assert np.array_equal(_bits(scales), _bits(want_scales))
   assert np.array_equal(counters, want_counters)
