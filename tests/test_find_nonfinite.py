@@ -284,7 +284,7 @@ def test_a_float16_loss_times_the_scale_is_named_as_such():
   loss = lambda x: jnp.sum(x.astype(F16))  # noqa: E731
   r = find(loss, jnp.ones(4), scale=2.0**16)
   assert (r.phase, r.primitive) == ("backward", "convert_element_type")
-  assert r.source.startswith("the loss's cast to float32 before the scale multiply")
+  assert r.source == "the loss's cast to float32 before find_nonfinite's scale multiply"
   assert "Keep the loss in float32" in r.advice
 
 
@@ -315,6 +315,8 @@ def test_bad_functions_and_inputs_are_refused_clearly():
     jmp_scaler.find_nonfinite(3, jnp.ones(2))
   with pytest.raises(ValueError, match="fn must return a floating scalar loss"):
     jmp_scaler.find_nonfinite(lambda x: x * 2, jnp.ones(2), scale=2.0)
+  with pytest.raises(ValueError, match="call it outside jax.jit"):
+    jax.jit(lambda x: jmp_scaler.find_nonfinite(log_of, x))(jnp.ones(3))
   with pytest.raises(ValueError, match=r"in the inputs already \(args\[1\]\['x'\]\)"):
     jmp_scaler.find_nonfinite(lambda w, b: w * b["x"], jnp.ones(2),
                               {"x": jnp.array([1.0, jnp.nan])})  # fmt: skip

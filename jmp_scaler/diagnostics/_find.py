@@ -26,6 +26,7 @@ from jmp_scaler.diagnostics import _walk as W
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat import _source as S
+from jmp_scaler.jaxcompat import _types as T
 from jmp_scaler.precision._autocast import AUTOCAST_MARK, FULL_PRECISION_MARK
 from jmp_scaler.precision._rules import DEFAULT_RULES
 
@@ -162,13 +163,15 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
   the first argument (an NNX module's ``nnx.Param`` leaves): the gradients the loss scaler
   would see. Returns None when nothing is non-finite.
 
-  It is one compiled run of the whole function that flags every operation (one reduction per
-  value), then a second that fetches the inputs of the first flagged one: a real model
-  answers in seconds. It sees through ``jit``, ``custom_jvp``/``custom_vjp``, ``remat``,
-  ``scan``/``while_loop``/``cond`` (naming the iteration and the branch) and ``shard_map``
-  (naming the device), and through :func:`jmp_scaler.autocast`: an autocast function is
-  analysed as it runs, float16 casts included. ``fn`` may be a function, a flax
-  ``model.apply``, an NNX module or an equinox module.
+  It runs the whole function as one compiled program that flags every operation (one
+  reduction per value), the loss and its gradient as one more when ``scale`` is given, then
+  a last one that fetches the inputs of the first flagged operation: about what compiling a
+  training step costs, not an operation-by-operation run. It sees through ``jit``,
+  ``custom_jvp``/``custom_vjp``, ``remat``, ``scan``/``while_loop``/``cond`` (naming the
+  iteration and the branch) and ``shard_map`` (naming the device), and through
+  :func:`jmp_scaler.autocast`: an autocast function is analysed as it runs, float16 casts
+  included. ``fn`` may be a function, a flax ``model.apply``, an NNX module or an equinox
+  module.
 
   Args:
     fn: the function, for example a loss function or ``model.apply``.
@@ -205,6 +208,9 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
     raise ValueError(f"fn must be callable, got {fn!r}")
   scale = _check_scale(scale)
   call = _Call(fn, args, kwargs)
+  if any(T.is_traced(x) for x in call.dynamic):
+    raise ValueError("find_nonfinite runs on the host, on concrete arrays: call it outside "
+                     "jax.jit (and grad, vmap, ...), with the batch and parameters of the step")
   closed, shape = jax.make_jaxpr(call.flat, return_shape=True)(*call.dynamic)
   forward = _Search(closed, call.dynamic, call.names)
   if scale is None:
@@ -305,7 +311,7 @@ class _Call:
     self.first = [int(dyn_index[i]) for i in range(n_fn, n_fn + n_first)
                   if self.mask[i] and jnp.issubdtype(jnp.result_type(leaves[i]), jnp.floating)]
     self.rest = [i for i in range(len(self.dynamic)) if i not in set(self.first)]
-    self.fn, self.has_args = fn, bool(args)
+    self.has_args = bool(args)
 
   def flat(self, *dynamic: Any) -> Any:
     it = iter(dynamic)
@@ -400,7 +406,7 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
   if outs is None:
     outputs = tuple(ValueInfo(str(v.aval.dtype), tuple(v.aval.shape), float("nan"), None, None)
                     for v in eqn.outvars)  # fmt: skip
-    first_index = None
+    first_index, bad = None, None
     notes.append(f"it could not be run again alone ({why})")
   else:
     outputs = tuple(ValueInfo.of(o) for o in outs)
@@ -409,21 +415,22 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
       int(i) for i in np.argwhere(~np.isfinite(_wide(bad)))[0])
     if bad is None:
       notes.append("alone it gives a finite result: in the compiled program XLA computed it "
-                   "differently (fused with its neighbours)")
-  wide, why32 = _run(eqn, inputs, widen=True)
-  if wide is None:
+                   "differently (fused with its neighbours), so float32 cannot be compared")
+  wide, why32 = _run(eqn, inputs, widen=True) if outs is not None else (None, "")
+  if wide is None or bad is None:
     finite32, max32 = None, None
-    if outs is not None:
+    if wide is None and outs is not None:
       notes.append(f"it could not be run again in float32 ({why32})")
   else:
     finite32 = all(_all_finite(o) for o in wide)
-    max32 = max((ValueInfo.of(o).max_abs for o in wide if np.asarray(o).size), default=0.0)
+    sizes = [ValueInfo.of(o).max_abs for o in wide if np.asarray(o).size]
+    max32 = max([m for m in sizes if not math.isnan(m)], default=float("nan"))
   where, policy, region = _context(eqns, path)
   frames = _frames(eqn)
   in_scale = SCALE_SCOPE in S.name_stack(eqn)
   source = frames[0] if frames else _library_source(eqn)
   if in_scale:
-    source = f"the loss's cast to float32 before the scale multiply (find_nonfinite's, {source})"
+    source = "the loss's cast to float32 before find_nonfinite's scale multiply"
   report = NonFiniteOp(
     phase=phase, primitive=eqn.primitive.name, source=source, finite_in_float32=finite32,
     inputs=tuple(ValueInfo.of(x) for x, v in zip(inputs, eqn.invars, strict=True)

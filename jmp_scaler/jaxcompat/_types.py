@@ -70,3 +70,13 @@ def row_struct(x: Any) -> jax.ShapeDtypeStruct:
   """The abstract value of ``x[0]``, varying manual axes included: what a ``scan`` body sees
   of the array it scans over."""
   return jax.eval_shape(lambda v: v[0], struct(x))
+
+
+def is_traced(x: Any) -> bool:
+  """Whether ``x`` is a tracer (an abstract value inside ``jit``, ``grad``, ...), not data."""
+  tracer = getattr(jax.core, "Tracer", None)
+  if tracer is None:  # pragma: no cover - a JAX without jax.core.Tracer
+    from jmp_scaler.jaxcompat._errors import missing  # noqa: PLC0415
+
+    raise missing("the Tracer class", "jax.core")
+  return isinstance(x, tracer)
