@@ -25,7 +25,10 @@ round); the rounds interleave the variants (rotating their order), so all of
 them see the same machine load, and ``IQR`` is the spread of that ratio over
 rounds. ``lower`` and ``compile`` are the ``jit(...).lower`` and ``.compile()``
 times over none's, medians over ``--compile-rounds`` rounds (caches cleared before
-each), ``comp s`` the median compile time in seconds, ``temp``
+each) of the ratio in the same round, ``cpu`` the same ratio of the compile's CPU
+time (``time.process_time``: every thread of the process; less moved by other
+processes on a shared machine than the wall time), ``comp s`` the median compile
+time in seconds, ``temp``
 the compiled step's temporary memory in MiB (``memory_analysis``), ``+temp``
 its excess over none's, ``kernels`` the ops of the compiled entry computation,
 ``conds`` / ``selects`` / ``reduces`` the ``conditional`` / ``select`` / ``reduce``
@@ -193,6 +196,7 @@ def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
   table = variants(model)
   fns, states, info = {}, {}, {}
   lowers, compiles = {v: [] for v in names}, {v: [] for v in names}
+  cpus = {v: [] for v in names}
   for r in range(compile_rounds):
     order = names[r % len(names):] + names[: r % len(names)]
     # Copies: init may hand out one buffer for equal constants, and each is donated. Every
@@ -206,13 +210,14 @@ def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
       jax.clear_caches()  # trace, lower and compile from scratch every round
       t0 = time.perf_counter()
       lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
-      t1 = time.perf_counter()
+      t1, c1 = time.perf_counter(), time.process_time()
       compiled = lowered.compile()
-      t2 = time.perf_counter()
+      t2, c2 = time.perf_counter(), time.process_time()
       lowers[v].append(t1 - t0)
       compiles[v].append(t2 - t1)
-      print(f"  {name} {v}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s", file=sys.stderr,
-            flush=True)
+      cpus[v].append(c2 - c1)
+      print(f"  {name} {v}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s, "
+            f"cpu {c2 - c1:.2f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
       if v in fns:
         continue
       text = compiled.as_text()
@@ -226,6 +231,7 @@ def run(name, model, names, rounds, steps, hlo_dir=None, compile_rounds=3):
   for v in names:  # medians over rounds of the ratio to none in the same round
     info[v]["lower"] = float(np.median(np.asarray(lowers[v]) / np.asarray(lowers["none"])))
     info[v]["compile"] = float(np.median(np.asarray(compiles[v]) / np.asarray(compiles["none"])))
+    info[v]["cpu"] = float(np.median(np.asarray(cpus[v]) / np.asarray(cpus["none"])))
     info[v]["compile_s"] = float(np.median(compiles[v]))
 
   times = {v: [] for v in names}
@@ -310,7 +316,7 @@ def _print_table(name, model, rounds, steps, rows):
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; ratios to none")
   w = max(12, *(len(r['variant']) + 1 for r in rows))
   head = (f"{'variant':<{w}}{'ms':>9}{'step':>7}{'IQR':>11}{'lower':>7}{'compile':>8}"
-          f"{'comp s':>8}{'temp':>8}{'+temp':>7}{'kernels':>8}{'conds':>6}{'selects':>8}"
+          f"{'cpu':>6}{'comp s':>8}{'temp':>8}{'+temp':>7}{'kernels':>8}{'conds':>6}{'selects':>8}"
           f"{'reduces':>8}{'lines':>8}  finite  overflow")
   print(head)
   print("-" * len(head))
@@ -320,7 +326,7 @@ def _print_table(name, model, rounds, steps, rows):
     moved = {"none": "APPLIED", "bare": "moved (bare)"}.get(r["variant"], "APPLIED (bug)")
     kept = "kept" if r["kept"] else moved
     print(f"{r['variant']:<{w}}{r['ms']:>9.2f}{r['ratio']:>7.2f}{iqr:>11}"
-          f"{r['lower']:>7.2f}{r['compile']:>8.2f}{r['compile_s']:>8.2f}"
+          f"{r['lower']:>7.2f}{r['compile']:>8.2f}{r['cpu']:>6.2f}{r['compile_s']:>8.2f}"
           f"{r['temp'] / 2**20:>8.1f}{(r['temp'] - base['temp']) / 2**20:>7.1f}"
           f"{r['kernels']:>8}{r['conds']:>6}{r['selects']:>8}{r['reduces']:>8}{r['lines']:>8}"
           f"  {'yes' if r['finite'] else 'NO':<6}  {kept}")

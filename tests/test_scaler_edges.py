@@ -127,6 +127,33 @@ def test_a_step_at_scale_2_to_127_applies_the_true_gradient(wrapper):
   np.testing.assert_array_equal(new["w"], -true["w"])
 
 
+def test_the_checks_one_factor_decides_as_the_two_factor_unscaling_at_every_scale():
+  # all_finite multiplies by pre * inv (the float32 1/scale, flushed to zero above 2**126);
+  # the unscaling by pre, then inv. Every scale's decision is the unscaled value's finiteness.
+  scales = [2.0**-126, 2.0**-20, 0.5, 1.0, 3.0, 2.0**63, 2.0**64 * 1.5, 2.0**126, 2.0**127,
+            float(np.finfo(np.float32).max)]
+  f32max, f16max = np.finfo(np.float32).max, np.finfo(np.float16).max
+  values = {"float32": [f32max, -f32max, 1.0, 1e-40, np.inf, -np.inf, np.nan],
+            "float16": [f16max, -f16max, 1.0, 6e-8, np.inf, -np.inf, np.nan]}
+  cases = [(s, np.asarray([v], d)) for s in scales for d, vs in values.items() for v in vs]
+
+  @jax.jit
+  def both(scales, grads):
+    out = []
+    for scale, g in zip(scales, grads, strict=True):
+      state = dynamic_scale(bare=True).init(None)._replace(scale=scale)
+      out.append((_scaler.all_finite({"g": g}, state), jnp.all(jnp.isfinite(unscale(g, scale)))))
+    return out
+
+  got = both([jnp.float32(s) for s, _ in cases], [g for _, g in cases])
+  flips = [(s, g) for (s, g), (a, b) in zip(cases, got, strict=True) if bool(a) != bool(b)]
+  assert flips == []
+  # Both answers occur, the overflow of the unscaling among them (65504 under a scale of 0.5).
+  assert {bool(a) for a, _ in got} == {True, False}
+  i = next(i for i, (s, g) in enumerate(cases) if s == 0.5 and g[0] == f16max)
+  assert not bool(got[i][0])
+
+
 # --- 9.4: complex gradients -------------------------------------------------------------
 
 

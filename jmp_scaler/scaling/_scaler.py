@@ -364,9 +364,15 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   scale is split into ``2**64 * (scale / 2**64)``; both factors are powers of
   two times a normal reciprocal, so the product is the same correctly rounded
   ``g * (1 / scale)`` (for a power-of-two scale: exactly ``g / scale``).
+
+  ``pre`` is taken by a division, like ``inv``: XLA computes a division once and
+  hands its result to every kernel that reads it, where a select of two constants
+  (``where(big, 2**-64, 1)``) is cheap enough to be recomputed, with its comparison
+  and constants, inside each of them: about 3 kernels a leaf (the check, Adam's two
+  moments), 800 HLO instructions at 64 leaves (docs/performance.md).
   """
   big = scale > 2.0**63
-  pre = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+  pre = jnp.float32(1.0) / jnp.where(big, jnp.float32(2.0**64), jnp.float32(1.0))
   return pre, 1.0 / (scale * pre)
 
 
@@ -446,15 +452,28 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   the leaf count (docs/performance.md). The check does not
   survive fast-math flags, which let XLA assume that no inf or NaN exists
   (:func:`dynamic_scale` warns).
+
+  The check multiplies by one factor, ``pre * inv`` (the float32 ``1 / scale``,
+  subnormal or flushed to zero above ``2**126``), where the unscaling multiplies by
+  two: the decision is the same. Up to ``2**63`` the factors are the same (``pre ==
+  1``); above it the factor is below 1, so a finite gradient stays finite (as it
+  does unscaled), and an inf or NaN stays non-finite (``inf * 0`` is NaN). One
+  multiply a leaf fewer.
   """
   pre, inv = reciprocal(state.scale)
-  isfinite = lambda g: jnp.isfinite(unscale_leaf(g, pre, inv))  # noqa: E731
+  one = pre * inv
+
+  def isfinite(g):  # unscaled in at least float32, cast back: its overflow counts too
+    return jnp.isfinite((g.astype(math_dtype(g.dtype)) * one).astype(g.dtype))
+
   flags = [
       jnp.all(functools.reduce(jnp.logical_and, map(isfinite, group)))
       for group in _check_groups(floating_leaves(grads))
   ]
   if flags:
-    finite = jnp.min(jnp.stack(flags).astype(jnp.int32)) > 0
+    # The int32 vector is materialised once; its comparison and ``all`` give a bool that
+    # the selects read as it is (a ``min(...) > 0`` put a comparison in each of them).
+    finite = jnp.all(jnp.stack(flags).astype(jnp.int32) > 0)
   else:
     finite = jnp.asarray(True)
   axes = state.config.axis_name
