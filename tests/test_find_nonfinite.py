@@ -89,6 +89,26 @@ def test_a_backward_that_overflows_only_at_scale_2_16():
   assert "a scale of at most 32768 (2^15) keeps it finite" in r.advice
 
 
+def root(x):
+  return jnp.sum(jnp.sqrt(x))  # sqrt at 0: its derivative is inf
+
+
+def test_a_derivative_computed_in_the_forward_part_is_a_backward_origin():
+  # jax.grad computes 0.5 / sqrt(x) beside the forward pass: it is still the gradient's.
+  r = find(root, jnp.array([0.0, 4.0]), scale=2.0)
+  assert (r.phase, r.finite_in_float32) == ("backward", False)
+  assert "sqrt at 0" in line_of(r) and r.first_index == (0,)
+  assert "double-where" in r.advice
+
+
+def test_bfloat16_overflows_where_float32_does():
+  fn = lambda x: jnp.sum(x.astype(jnp.bfloat16) ** 2)  # noqa: E731
+  r = find(fn, jnp.array([1.0, 1e20]))
+  assert (r.primitive, r.finite_in_float32) == ("integer_pow", False)
+  assert r.inputs[0].dtype == "bfloat16" and "not bfloat16's range" in r.advice
+  assert "the result passes float32's range too" in r.advice
+
+
 class MLP(nn.Module):
   dtype: object = None
 

@@ -35,8 +35,7 @@ SCALE_SCOPE = "jmp_find_nonfinite.scale"
 #: The packages whose frames ``source`` skips, to name the user's line.
 LIBRARIES = ("jax", "flax", "optax", "equinox", "jmp_scaler")
 #: Primitives that have no real value for some inputs (NaN in any precision).
-_DOMAIN = {"log": 0.0, "sqrt": 0.0, "rsqrt": 0.0, "log1p": -1.0, "pow": 0.0, "lgamma": None,
-           "digamma": None, "acosh": 1.0}  # fmt: skip
+_DOMAIN = {"log": 0.0, "sqrt": 0.0, "rsqrt": 0.0, "log1p": -1.0, "pow": 0.0, "acosh": 1.0}
 
 
 # ---------------------------------------------------------------- the report
@@ -439,8 +438,8 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
     autocast=policy, full_precision=region, scale=scale, frames=tuple(frames),
     advice="", note="; ".join(notes),
   )  # fmt: skip
-  advice = _advice(report, inputs, in_scale)
-  return dataclasses.replace(report, advice=advice)
+  why = _why_float32_fails(report, inputs, wide) if finite32 is False else ""
+  return dataclasses.replace(report, advice=_advice(report, why, in_scale))
 
 
 def _inexact(dtype: Any) -> bool:
@@ -554,22 +553,31 @@ def _largest(dtype: str) -> float:
     return float(jnp.finfo(jnp.float32).max)
 
 
-def _domain(r: NonFiniteOp, inputs: list) -> str:
-  """Why the operation has no finite value in any precision, when it is a domain error."""
-  floats = [_wide(x) for x in inputs
-            if jnp.issubdtype(np.asarray(x).dtype, jnp.floating) and np.asarray(x).size]
+def _why_float32_fails(r: NonFiniteOp, inputs: list, wide: list) -> str:
+  """Why the operation is not finite in float32 either, when the inputs tell."""
+  floats = [_wide(x) for x in inputs if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
+            and np.asarray(x).size]  # fmt: skip
+  outs = [_wide(o) for o in wide if _inexact(np.asarray(o).dtype)]
+  nan = any(np.isnan(o).any() for o in outs)
+  inf = any(np.isinf(o).any() for o in outs)
+  prim = r.primitive
   if not floats:
     return ""
-  prim, low = r.primitive, float(np.min(floats[0]))
-  bound = _DOMAIN.get(prim, "none")
-  if bound is not None and bound != "none" and low < bound:
-    return f"{prim} of {'a negative number' if bound == 0.0 else f'a number below {bound:g}'} " \
-           f"(smallest input {low:.4g})"
-  if prim in ("log", "rsqrt", "div", "pow") and any((f == 0).any() for f in floats):
-    return "division by zero" if prim == "div" else f"{prim} at zero"
-  if prim in ("exp", "exp2", "pow", "mul", "dot_general", "add", "reduce_sum", "cumsum"):
-    return f"the result passes float32's range too (largest input {r.inputs[0].max_abs:.4g})" \
-      if r.inputs else ""
+  low, high = float(np.min(floats[0].real)), float(np.max(np.abs(floats[0])))
+  if nan and prim in _DOMAIN and low < _DOMAIN[prim]:
+    what = "a negative number" if _DOMAIN[prim] == 0.0 else f"a number below {_DOMAIN[prim]:g}"
+    return f"{prim} of {what} (smallest input {low:.4g})"
+  if nan and prim in ("asin", "acos", "atanh") and high > 1:
+    return f"{prim} of a number outside [-1, 1] (largest magnitude {high:.4g})"
+  if prim == "div" and len(floats) > 1 and (floats[1] == 0).any():
+    return "division by zero"
+  if inf and prim in ("log", "rsqrt") and (floats[0] == 0).any():
+    return f"{prim} at zero"
+  if inf and not nan:
+    biggest = max(float(np.max(np.abs(f))) for f in floats)
+    return f"the result passes float32's range too (largest input magnitude {biggest:.4g})"
+  if nan:
+    return "NaN in float32 too (0 * inf, inf - inf or 0 / 0 within it)"
   return ""
 
 
@@ -596,19 +604,18 @@ def _keep_in_float32(r: NonFiniteOp) -> str:
           ".astype(jnp.float32) (a layer: dtype=jnp.float32), or scale its inputs down")
 
 
-def _advice(r: NonFiniteOp, inputs: list, in_scale: bool) -> str:
+def _advice(r: NonFiniteOp, why: str, in_scale: bool) -> str:
   if r.finite_in_float32 is None:
     return (f"inspect the operation at {r.source} by hand: its inputs are in the report; "
             "find_nonfinite could not compare it with float32")
   if not r.finite_in_float32:
-    hint = _domain(r, inputs)
     guard = ("guard its forward input (jnp.where before the operation, the double-where "
              "trick), a clip or an epsilon" if r.phase == "backward" else
              "guard its input (jnp.where, a clip or an epsilon)")  # fmt: skip
     half = _narrow(r)
-    why = f"not {half}'s range" if half != "float32" else "not a matter of precision"
-    return (f"float32 fails too: a bug in the model or the data{': ' + hint if hint else ''}, "
-            f"{why}. Fix the data, or {guard} at {r.source}")
+    not_this = f"not {half}'s range" if half != "float32" else "not a matter of precision"
+    return (f"float32 fails too: a bug in the model or the data{': ' + why if why else ''}, "
+            f"{not_this}. Fix the data, or {guard} at {r.source}")
   if r.phase == "backward" and in_scale and r.primitive == "convert_element_type":
     return (f"the loss is {_narrow(r)}: the gradient starts as the scale ({r.scale:g}) in "
             f"{_narrow(r)}, which overflows. Keep the loss in float32 (a policy with "
