@@ -7,9 +7,10 @@ Two passes find the first one and its inputs, each a single compiled program:
   every equation that can make a non-finite value, whether it is an origin. Calls (``jit``,
   ``remat``, ``custom_jvp``/``custom_vjp`` functions, autocast and ``full_precision`` regions)
   are inlined; a ``scan`` or ``while`` loop keeps the record of its first iteration holding an
-  origin, a ``cond`` the record of the branch it took, a ``shard_map`` that of the first device
-  (in mesh order) holding one. :func:`first_origin` reads from the record the path to the
-  first origin in program order.
+  origin, a ``cond`` the record of the branch it took, a ``shard_map`` that of the device whose
+  first origin comes first (ties: the lowest index; a collective's inputs are every
+  device's). :func:`first_origin` reads from the record the path to the first origin in
+  program order.
 * :func:`capture` evaluates the jaxpr again and returns the inputs of the equation at that
   path: at that iteration, in that branch, on that device.
 
@@ -165,20 +166,22 @@ def finite(x: Any) -> Any:
   return jnp.all(jnp.isfinite(x))
 
 
+def _widens(eqn: Any) -> bool:
+  """A cast from a floating dtype to one whose range holds it (float16 to float32): its
+  output is finite exactly when its input is."""
+  if eqn.primitive.name != "convert_element_type":
+    return False
+  src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+  floating = lambda d: jnp.issubdtype(d, jnp.floating)  # noqa: E731
+  return floating(src) and floating(dst) and jnp.finfo(dst).max >= jnp.finfo(src).max
+
+
 def _literal_finite(v: Any) -> bool:
   val = np.asarray(v.val)
   if not jnp.issubdtype(val.dtype, jnp.inexact):
     return True
   return bool(np.all(np.isfinite(val.astype(np.complex128 if val.dtype.kind == "c" else
                                             np.float64))))
-
-
-def _and(a: Any, b: Any) -> Any:
-  if a is True:
-    return b
-  if b is True:
-    return a
-  return jnp.logical_and(a, b)
 
 
 def _or(a: Any, b: Any) -> Any:
@@ -342,7 +345,7 @@ class _Probe:
                                                   [flags.value(s) for s in in_slots])
         out_fin = [finite(o) for o in outs]
         sub = (Entry(i, name, size, children), rec, found)
-      elif name in SAME_VALUES:  # finite exactly when its inputs are: no reduction
+      elif name in SAME_VALUES or _widens(eqn):  # finite exactly when its inputs are
         outs = J.bind(eqn, ins)
         same = flags.all(in_slots)
         out_fin = [same if _inexact(o) else True for o in outs]
