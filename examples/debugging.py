@@ -132,7 +132,7 @@ def main(argv=None) -> dict[str, float]:
   print(found)
   column = found.first_index[-1]
   print(f"  the first inf is in column {column} of the batch, {FEATURES[column]!r}: "
-        f"{found.primitive} in the {found.phase} pass, finite in float32: "
+        f"{found.primitive} in the\n  {found.phase} pass, finite in float32: "
         f"{found.finite_in_float32}.")
 
   print("\n== 4. the per-leaf reports agree: which gradients, which layer? ==")
