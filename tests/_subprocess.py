@@ -34,17 +34,6 @@ PY = sys.executable
 TIMEOUT = 900
 
 GRADSCALER_BLOCK = 0  # the migration guide's first complete block: GradScaler's "after"
-DOCS = (  # runs the complete blocks of each doc ("before" blocks start with a comment)
-    "import re, sys\n"
-    "for doc in sys.argv[1:]:\n"
-    "  text = open(doc).read()\n"
-    "  blocks = [b for b in re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
-    "            if b.startswith('import ')]\n"
-    "  for i, block in enumerate(blocks):\n"
-    "    print(f'== block {i} of {doc}', flush=True)\n"
-    "    exec(compile(block, doc, 'exec'), {})\n"
-    "  print(f'ran {len(blocks)} blocks of {doc}')\n"
-)
 NO_MATPLOTLIB = (  # runs an example with `import matplotlib` failing, as if not installed
     "import runpy, sys; sys.modules['matplotlib'] = None; path = sys.argv[1]; "
     "sys.argv = sys.argv[1:]; runpy.run_path(path, run_name='__main__')"
@@ -82,7 +71,7 @@ RUNS: dict[str, Run] = {
     "checkpoint_resume": Run((PY, "examples/checkpoint_resume.py", "--steps", "40", "--dir",
                               "{dir}/ckpt"), 9),
     "accumulation": Run((PY, "examples/accumulation.py", "--steps", "4", "--every-k", "4"), 6),
-    "docs": Run((PY, "-c", DOCS, "docs/migration.md", "docs/diagnostics.md"), 15),
+    "docs": Run((PY, "tests/_docs.py"), 12),  # every program of docs/*.md (tests/_docs.py)
     # several devices in one process (tests/test_multidevice.py, test_scaler.py, test_fp8_*,
     # test_autocast_multidevice.py, test_low_precision.py)
     "md_worker": Run((PY, "tests/md_worker.py"), 19, EIGHT),

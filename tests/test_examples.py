@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from tests import _docs
 from tests._subprocess import output, run_dir
 
 pytestmark = pytest.mark.slow  # every test waits for a subprocess
@@ -90,5 +91,6 @@ def test_underflow_unscaled_fp16_gradients_vanish_and_scaling_restores_them():
 @pytest.mark.runs("docs")
 def test_complete_code_blocks_of_the_docs_run():
   text = output("docs")
-  assert "ran 4 blocks of docs/migration.md" in text
-  assert "ran 4 blocks of docs/diagnostics.md" in text  # find_nonfinite's is the first
+  for doc in _docs.DOCS:  # every program of every document (tests/_docs.py)
+    assert f"ran {len(_docs.programs(doc))} blocks of {doc}" in text, doc
+  assert "ran 5 blocks of docs/migration.md" in text and "ran 3 blocks of docs/flax.md" in text
