@@ -71,7 +71,8 @@ def _run(tx, params, state, batches, bad=(), jit=True):
   update = _jitted(tx) if jit else tx.update
   scales = []
   for i, batch in enumerate(batches):
-    scale = jmp_scaler.get_scale(state)
+    found = jmp_scaler.find_scale_state(state)  # no scaler: the gradients are not scaled
+    scale = jnp.float32(1.0) if found is None else found.scale
     scales.append(float(scale))
     grads = _scaled_grads(params, batch, scale, bad=i in bad)
     updates, state = update(grads, state, params)

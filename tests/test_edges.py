@@ -73,12 +73,14 @@ def test_a_graphdef_alone_raises():
     jmp_scaler.get_scale(graphdef)
 
 
-def test_an_optimizer_state_without_a_scaler_scales_by_one_but_has_no_metrics():
+def test_an_optimizer_state_without_a_scaler_has_no_scale_and_no_metrics():
   state = optax.adam(1.0).init(jnp.ones(2))
-  assert float(jmp_scaler.get_scale(state)) == 1.0
-  assert float(jmp_scaler.get_scale(optax.identity().init(jnp.ones(2)))) == 1.0
-  with pytest.raises(ValueError, match="no_scale"):
-    jmp_scaler.scale_metrics(state)
+  for read in (jmp_scaler.get_scale, jmp_scaler.scale_metrics):
+    with pytest.raises(ValueError, match="no_scale"):
+      read(state)
+    with pytest.raises(ValueError, match="no_scale"):
+      read(optax.identity().init(jnp.ones(2)))
+  assert jmp_scaler.find_scale_state(state) is None
 
 
 # --------------------------------------------------------------------------

@@ -421,10 +421,23 @@ def test_get_scale_finds_the_scaler_however_nested():
     assert scale.dtype == jnp.float32 and float(scale) == 4.0
 
 
-def test_get_scale_without_a_scaler_is_one_and_two_scalers_are_an_error():
-  assert float(jmp_scaler.get_scale(optax.adam(1.0).init(jnp.ones(2)))) == 1.0
-  with pytest.raises(ValueError, match="holds no loss scaler"):
-    jmp_scaler.scale_metrics(optax.adam(1.0).init(jnp.ones(2)))
+def test_every_reader_of_the_scale_agrees_without_a_scaler_and_two_are_an_error():
+  # Without a scaler every reader raises the same error (a float16 chain that lost its scaler
+  # must not train on unscaled gradients in silence); find_scale_state asks, and answers None.
+  plain = optax.adam(1.0).init(jnp.ones(2))
+  state = jmp_scaler.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=optax.adam(1.0))
+  readers = {
+      "get_scale": lambda: jmp_scaler.get_scale(plain),
+      "scale_metrics": lambda: jmp_scaler.scale_metrics(plain),
+      "TrainState.loss_scale": lambda: state.loss_scale,
+      "TrainState.scale_metrics": lambda: state.scale_metrics(),
+      "value_and_grad": lambda: jmp_scaler.value_and_grad(jnp.sum, plain)(jnp.ones(2)),
+  }
+  for name, read in readers.items():
+    with pytest.raises(ValueError, match="holds no loss scaler.*find_scale_state"):
+      read()
+      pytest.fail(f"{name} read a scale without a scaler")
+  assert jmp_scaler.find_scale_state(plain) is None
   two = optax.chain(jmp_scaler.dynamic_scale(), jmp_scaler.dynamic_scale()).init(None)
   with pytest.raises(ValueError, match="2 loss-scaler states"):
     jmp_scaler.get_scale(two)

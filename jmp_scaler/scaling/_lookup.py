@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jmp_scaler.scaling._scaler import LossScaleState, ScaleConfig
@@ -134,6 +133,18 @@ def replace_scale_state(opt_state: Any, new: LossScaleState) -> Any:
   )
 
 
+def _required(opt_state: Any, what: str) -> LossScaleState:
+  """The scaler's state in ``opt_state``; a ``ValueError`` saying ``what`` is missing if none."""
+  state = find_scale_state(opt_state)
+  if state is None:
+    raise ValueError(
+        f"opt_state holds no loss scaler, so there is {what}: put policy.loss_scaler() (or "
+        "jmp_scaler.no_scale(), which scales by 1 and still skips non-finite steps) at the "
+        "head of the chain; jmp_scaler.find_scale_state(opt_state) asks whether there is one"
+    )
+  return state
+
+
 def get_scale(opt_state: Any) -> jax.Array:
   """The current loss scale (a float32 scalar array) held in ``opt_state``.
 
@@ -141,17 +152,21 @@ def get_scale(opt_state: Any) -> jax.Array:
   :func:`jmp_scaler.value_and_grad` do it). ``opt_state`` may be any form
   :func:`find_scale_state` accepts: an optax state, a
   :class:`jmp_scaler.TrainState`, an NNX optimizer or its ``nnx.state``.
-  An optimizer state without a scaler scales by 1. Reading the scale does
-  not synchronise with the host.
+  Reading the scale does not synchronise with the host.
+
+  Every reader of the scaler (this, :func:`scale_metrics`,
+  ``TrainState.loss_scale``, ``NNXOptimizer.loss_scale``,
+  :func:`jmp_scaler.value_and_grad`) raises on an optimizer state without a
+  scaler: a float16 chain that lost its scaler would otherwise train on
+  unscaled gradients without a word. :func:`find_scale_state` is the one that
+  asks whether there is a scaler (``None`` when there is not).
 
   Raises:
-    ValueError: as :func:`find_scale_state`, for a value that cannot hold a
-      scaler.
+    ValueError: if ``opt_state`` holds no scaler (put ``policy.loss_scaler()``
+      or ``jmp_scaler.no_scale()`` at the head of the chain), or, as
+      :func:`find_scale_state`, cannot hold one.
   """
-  state = find_scale_state(opt_state)
-  if state is None:
-    return jnp.ones([], jnp.float32)
-  return state.scale
+  return _required(opt_state, "no loss scale to read").scale
 
 
 def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
@@ -169,13 +184,7 @@ def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
       build the chain with ``policy.loss_scaler()`` or
       ``jmp_scaler.no_scale()``), or cannot hold one.
   """
-  state = find_scale_state(opt_state)
-  if state is None:
-    raise ValueError(
-        "opt_state holds no loss scaler, so there are no scaler metrics: put "
-        "policy.loss_scaler() (or jmp_scaler.no_scale(), which scales by 1 and still "
-        "skips non-finite steps) at the head of the chain"
-    )
+  state = _required(opt_state, "no scaler metrics")
   return {
       "scale": state.scale,
       "skipped": state.skipped,

@@ -130,7 +130,7 @@ class NNXOptimizer(nnx.Optimizer):
 
   @property
   def loss_scale(self) -> jax.Array:
-    """The current loss scale (float32 scalar; 1 without a scaler)."""
+    """The current loss scale (float32 scalar; a ``ValueError`` without a scaler)."""
     return get_scale(nnx.as_pure(self.opt_state))
 
   def scale_metrics(self) -> dict[str, Any]:

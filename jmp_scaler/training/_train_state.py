@@ -86,7 +86,7 @@ class TrainState(train_state.TrainState):
 
   @property
   def loss_scale(self) -> jax.Array:
-    """The current loss scale (float32 scalar; 1 without a scaler)."""
+    """The current loss scale (float32 scalar; a ``ValueError`` without a scaler)."""
     return get_scale(self.opt_state)
 
   def scale_metrics(self) -> dict[str, Any]:
