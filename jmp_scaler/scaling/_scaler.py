@@ -396,22 +396,25 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   return jax.tree.map(lambda g: unscale_leaf(g, pre, inv) if is_floating(g) else g, grads)
 
 
-# Leaves of up to GROUP_BELOW elements that share a shape are checked GROUP_SIZE at a
-# time, by one reduction of their elementwise ``and`` (XLA:CPU, one device).
-GROUP_BELOW = 2**14
+# Leaves of up to GROUP_BELOW elements that share a shape are checked together, by one
+# reduction of their elementwise ``and`` (XLA:CPU, one device): GROUP_SIZE at a time, and at
+# most GROUP_ELEMENTS elements (2 MiB of float32) a group.
+GROUP_BELOW = 2**16
 GROUP_SIZE = 32
+GROUP_ELEMENTS = 2**19
 
 
 def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   """The leaves checked by one reduction together: each on its own but on one XLA:CPU device.
 
-  There the small leaves of one shape (``GROUP_BELOW`` elements or fewer) go
-  ``GROUP_SIZE`` to a group, checked as ``all(isfinite(u1) & isfinite(u2) &
-  ...)``: exactly the conjunction of their own checks, in one fused kernel and
-  one reduction instead of three kernels a leaf. On small leaves those
-  kernels cost more to launch and to compile than to run (docs/performance.md,
-  "The finiteness check"). Larger leaves keep their own reduction, which reads each
-  one as soon as the backward pass has written it.
+  There the leaves of one shape of up to ``GROUP_BELOW`` elements go to groups of
+  ``GROUP_SIZE`` leaves and at most ``GROUP_ELEMENTS`` elements (32 leaves of 2^14
+  elements, 16 of 181x181), checked as ``all(isfinite(u1) & isfinite(u2) & ...)``:
+  exactly the conjunction of their own checks, in one fused kernel and one reduction
+  instead of three kernels a leaf. On such leaves those kernels cost more to launch and
+  to compile than to run (docs/performance.md, "The finiteness check"). Larger leaves
+  keep their own reduction, which reads each one as soon as the backward pass has
+  written it.
   """
   if not one_cpu_device():
     return [[g] for g in leaves]
@@ -422,7 +425,8 @@ def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
     else:
       small.setdefault(g.shape, []).append(g)
   for same in small.values():
-    groups += [same[i : i + GROUP_SIZE] for i in range(0, len(same), GROUP_SIZE)]
+    k = max(1, min(GROUP_SIZE, GROUP_ELEMENTS // max(same[0].size, 1)))
+    groups += [same[i : i + k] for i in range(0, len(same), k)]
   return groups
 
 
