@@ -124,7 +124,7 @@ def main(argv=None) -> dict[str, dict[str, float]]:
 
   # 3. Train: float32, float16 unscaled, float16 with dynamic scaling.
   fp16 = jmp_scaler.get_policy("p=f32,c=f16,o=f32")
-  runs = {"f32": (f32, optax.identity()), "fp16 no_scale": (fp16, jmp_scaler.no_scale()),
+  runs = {"f32": (f32, f32.loss_scaler()), "fp16 no_scale": (fp16, jmp_scaler.no_scale()),
           "fp16 dynamic": (fp16, jmp_scaler.dynamic_scale())}
   print(f"{'run':<14} {'aux loss: first':>16} {'last':>8} {'aux grads == 0':>15} {'scale':>8}")
   results = {}
