@@ -21,6 +21,8 @@ by other processes on a shared machine). ``lines``: the compiled module's length
 
   python benchmarks/bench_skip_cuts.py                       # 256 leaves, 7 rounds
   python benchmarks/bench_skip_cuts.py --leaves 64 --rounds 3
+  python benchmarks/bench_skip_cuts.py --forms before,+group --rounds 15   # the whole effect
+  python benchmarks/bench_skip_cuts.py --quick               # 8 leaves, one round (smoke)
 """
 
 from __future__ import annotations
@@ -122,16 +124,26 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--leaves", type=int, default=256)
   parser.add_argument("--rounds", type=int, default=7)
+  parser.add_argument("--forms", default=",".join(FORMS), help="comma-separated, of " +
+                      ", ".join(FORMS))
+  parser.add_argument("--quick", action="store_true", help="8 leaves of 64x64, one round")
   args = parser.parse_args(argv)
+  params = 4 * 64 * 64 if args.quick else _models.DeepMLP.params
+  if args.quick:
+    args.leaves, args.rounds = 8, 1
+  forms = args.forms.split(",")
+  for form in forms:
+    if form not in FORMS:
+      parser.error(f"unknown form {form!r}; choose from {', '.join(FORMS)}")
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
   assert _scaler.GROUP_BELOW == 2**16, "run from a checkout with every cut"
-  model = _models.DeepMLP(leaves=args.leaves)
+  model = _models.DeepMLP(leaves=args.leaves, params=params)
   kp, kb = jax.random.split(jax.random.key(0))
   params = jax.jit(model.init)(kp)
   batch = jax.jit(model.batch_of)(kb)
   table = bench_sweep.variants(model)
   names = [("none", None), ("aif", None)] + [
-      (mode, form) for form in FORMS for mode in ("ts_cond", "ts_select")]
+      (mode, form) for form in forms for mode in ("ts_cond", "ts_select")]
   wall, cpu, lines = ({k: [] for k in names} for _ in range(3))
   for r in range(args.rounds):
     order = names[r % len(names):] + names[: r % len(names)]

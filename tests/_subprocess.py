@@ -90,6 +90,9 @@ RUNS: dict[str, Run] = {
     "bench_cpu": _bench("bench_cpu.py", "--quick", "--profile", "{dir}/trace", cost=17),
     "bench_gpu": _bench("bench_gpu.py", "--quick", cost=18),
     "bench_policy": _bench("bench_policy.py", "--quick", cost=7),
+    "bench_find": _bench("bench_find.py", "--quick", cost=22),
+    "bench_skip_cuts": _bench("bench_skip_cuts.py", "--quick", "--forms", "before,+group",
+                              cost=5),
 }
 
 
@@ -103,7 +106,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "devices8": ("md_worker", "md_autocast_worker", "lp_worker", "md_fp8_worker",
                  "data_parallel"),
     "benchmarks": ("bench_bf16", "bench_sweep", "bench_autocast_gpt", "bench_cpu", "bench_gpu",
-                   "bench_policy", "bench_sweep_codegen"),
+                   "bench_policy", "bench_sweep_codegen", "bench_find", "bench_skip_cuts"),
 }
 
 

@@ -82,3 +82,37 @@ def test_bench_gpu_quick_runs_on_cpu():
   # 2 blocks x 4 projections x (forward, dgrad, wgrad) lowered as fp8 dots; none compiled as
   # an fp8 GEMM on XLA:CPU (the GPU run compares the two counts).
   assert re.search(r"fp8 report: 24 fp8 sites lowered .* = 0 of 24; fp8 throughput", out), out
+
+
+
+@pytest.mark.runs("bench_find")
+def test_bench_find_quick_times_every_case_and_finds_each_origin():
+  out = output("bench_find")
+  steps = re.findall(r"^(char-GPT|CNN) .*\bstep\s+([\d.]+)\s+1\.00\s", out, re.M)
+  assert [m for m, _ in steps] == ["char-GPT", "CNN"], out
+  cases = re.findall(r"^\s+(clean|forward|backward)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+  assert [c for c, _, _ in cases] == ["clean", "forward", "backward"] * 2, out
+  assert all(float(s) > 0 and float(r) > 0 for _, s, r in cases)
+  found = out.split("\nfound:\n")[1]
+  assert "char-GPT, clean: nothing non-finite" in found
+  assert "CNN, clean: nothing non-finite" in found
+  # A float16 overflow in a matmul or a convolution of the benchmarks' own models, at the
+  # model's line, that float32 would not have made; the backward one at scale 2**30.
+  at = r" at benchmarks/\w+\.py:\d+ \([\w.<>]+\), finite in float32: True$"
+  assert re.search(r"^  char-GPT, forward: forward dot_general" + at, found, re.M), found
+  assert re.search(r"^  CNN, forward: forward conv_general_dilated" + at, found, re.M), found
+  for model in ("char-GPT", "CNN"):
+    assert re.search(rf"^  {model}, backward: backward \w+" + at, found, re.M), found
+
+
+@pytest.mark.runs("bench_skip_cuts")
+def test_bench_skip_cuts_quick_compiles_each_form_and_the_cuts_shorten_the_module():
+  out = output("bench_skip_cuts")
+  rows = {m.group(1): (float(m.group(2)), int(m.group(3))) for m in re.finditer(
+      r"^(none|aif|ts_(?:cond|select) (?:before|\+group))\s+([\d.]+)\s.*\s(\d+)$", out, re.M)}
+  assert list(rows) == ["none", "aif", "ts_cond before", "ts_select before", "ts_cond +group",
+                        "ts_select +group"], out
+  assert rows["none"][0] == 1.0 and all(ratio > 0 for ratio, _ in rows.values())
+  # The cuts since 26e7f7e take instructions out of the skip in both modes (8 leaves).
+  assert rows["ts_select +group"][1] < rows["ts_select before"][1], rows
+  assert rows["ts_cond +group"][1] < rows["ts_cond before"][1], rows
