@@ -32,6 +32,15 @@ def is_real_floating(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def is_half(dtype: Any) -> bool:
+  """Whether ``dtype`` is a floating dtype narrower than float32: float16, bfloat16, fp8.
+
+  (NumPy gives ml_dtypes' types the kind ``"V"``, not ``"f"``: ``jnp.issubdtype`` knows
+  them.)
+  """
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize < 4
+
+
 def math_dtype(dtype: Any) -> np.dtype:
   """The dtype to unscale in: at least float32 (a half-precision 1/scale underflows)."""
   return np.dtype(jnp.promote_types(dtype, jnp.float32))

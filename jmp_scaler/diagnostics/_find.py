@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmp_scaler import _validation as validation
+from jmp_scaler._leaves import is_half
 from jmp_scaler.diagnostics import _walk as W
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
@@ -185,9 +187,10 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
     with ``scale``, of the backward pass) is finite.
 
   Raises:
-    ValueError: if ``fn`` is not callable; if ``scale`` is not a positive finite number, or
-      ``fn`` does not return a floating scalar when it is given; if an argument (or an array
-      ``fn`` closes over) already holds inf or NaN and no operation made one.
+    ValueError: if ``fn`` is not callable; if ``scale`` is not a positive number in
+      float32's normal range, or ``fn`` does not return a floating scalar when it is given;
+      if an argument (or an array ``fn`` closes over) already holds inf or NaN and no
+      operation made one.
 
   Examples:
     >>> import jax.numpy as jnp, jmp_scaler
@@ -231,18 +234,8 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
 
 
 def _check_scale(scale: Any) -> float | None:
-  if scale is None:
-    return None
-  bad = ValueError(f"scale must be a positive, finite number (the loss scale), got {scale!r}")
-  if isinstance(scale, bool):
-    raise bad
-  try:
-    value = float(scale)
-  except (TypeError, ValueError):
-    raise bad from None
-  if not (math.isfinite(value) and value > 0):
-    raise bad
-  return value
+  """``scale`` as the float32 the scaler would hold: positive, finite, in float32's range."""
+  return None if scale is None else validation.positive_f32("scale", scale)
 
 
 def _check_loss(shape: Any) -> None:
@@ -301,14 +294,15 @@ class _Call:
     self.static = [None if m else x for x, m in zip(leaves, self.mask, strict=True)]
     self.dynamic = [x for x, m in zip(leaves, self.mask, strict=True) if m]
     self.names = [_name(p) for (p, _), m in zip(with_paths, self.mask, strict=True) if m]
-    # The dynamic floating leaves of the first argument (of an NNX module: its nnx.Param leaves).
+    # The dynamic inexact leaves of the first argument (of an NNX module: its nnx.Param
+    # leaves): the ones jmp_scaler.value_and_grad differentiates.
     n_fn = len(jax.tree.leaves(parts[0]))
     first = parts[1][0].params if args and isinstance(parts[1][0], _Module) else (
       parts[1][0] if args else ())
     n_first = len(jax.tree.leaves(first))
     dyn_index = np.cumsum(self.mask) - 1
     self.first = [int(dyn_index[i]) for i in range(n_fn, n_fn + n_first)
-                  if self.mask[i] and jnp.issubdtype(jnp.result_type(leaves[i]), jnp.floating)]
+                  if self.mask[i] and jnp.issubdtype(jnp.result_type(leaves[i]), jnp.inexact)]
     self.rest = [i for i in range(len(self.dynamic)) if i not in set(self.first)]
     self.has_args = bool(args)
 
@@ -458,16 +452,12 @@ def _all_finite(x: Any) -> bool:
   return not _inexact(a.dtype) or bool(np.all(np.isfinite(_wide(a))))
 
 
-def _is_half(dtype: Any) -> bool:
-  return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize < 4
-
-
 def _run(eqn: Any, inputs: list, widen: bool) -> tuple[list | None, str]:
   """``eqn`` bound again, alone, on ``inputs`` (widened to float32): (outputs, "") or (None,
   why)."""
   try:
     params = P.float32_params(eqn) if widen else dict(eqn.params)
-    args = [jnp.asarray(x, jnp.float32) if widen and _is_half(np.asarray(x).dtype) else
+    args = [jnp.asarray(x, jnp.float32) if widen and is_half(np.asarray(x).dtype) else
             jnp.asarray(x) for x in inputs]  # fmt: skip
     return [np.asarray(o) for o in jax.device_get(J.bind(eqn, args, params))], ""
   except Exception as e:  # noqa: BLE001 - any failure is reported, never hidden
@@ -623,8 +613,8 @@ def _advice(r: NonFiniteOp, why: str, in_scale: bool) -> str:
   if r.phase == "backward":
     half = _narrow(r)
     ratio = r.scale * _largest(half) / max(r.float32_max_abs or 0.0, 1e-300)
-    safe = 2.0 ** math.floor(math.log2(ratio)) if ratio > 0 else 0.0
-    if safe >= 1.0 or safe > 0 and safe < r.scale:
+    safe = 2.0 ** math.floor(math.log2(ratio)) if 0 < ratio < math.inf else 0.0
+    if 0 < safe < r.scale:  # else the scale is not what overflowed: keep the op in float32
       return (f"a lower scale: at scale {r.scale:g} this gradient reaches "
               f"{r.float32_max_abs:.4g} in float32, past {half}'s largest "
               f"{_largest(half):g}; a scale of at most {safe:g} (2^{int(math.log2(safe))}) keeps "

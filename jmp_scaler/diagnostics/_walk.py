@@ -36,9 +36,8 @@ from jmp_scaler.jaxcompat import _types as T
 
 #: Primitives whose output is finite exactly when their inputs are (they move values, or
 #: repeat them): their finiteness is their inputs', and they need no reduction of their own.
-SAME_VALUES = frozenset((
-  "reshape", "transpose", "squeeze", "expand_dims", "rev", "copy", "copy_p", "broadcast_in_dim",
-))  # fmt: skip
+#: (``lax.expand_dims`` traces to ``broadcast_in_dim``.)
+SAME_VALUES = frozenset(("reshape", "transpose", "squeeze", "rev", "copy", "broadcast_in_dim"))
 #: A device index larger than any mesh's: "no device holds an origin".
 _NO_DEVICE = np.iinfo(np.int32).max
 

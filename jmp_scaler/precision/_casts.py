@@ -30,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_scaler._leaves import is_half
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.precision import _rules as R
 
@@ -125,9 +126,9 @@ class Planner:
     src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
     if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
       return NONE
-    if R.is_half(src) and not R.is_half(dst):
+    if is_half(src) and not is_half(dst):
       return ins | {np.dtype(src)}  # widened from src
-    if R.is_half(dst) and _size(dst) < _size(src):
+    if is_half(dst) and _size(dst) < _size(src):
       if np.dtype(dst) in ins:
         trips.add(i)  # the end of a round trip: not applied, the value stays as it is
         return ins

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat._jaxpr import Primitive
 from jmp_scaler.jaxcompat._types import row_struct, struct
@@ -176,11 +177,6 @@ def widest(dtypes: Sequence[Any]) -> Any:
   return out
 
 
-def is_half(dtype: Any) -> bool:
-  """Whether ``dtype`` is a floating dtype narrower than float32 (float16, bfloat16, fp8)."""
-  return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
-
-
 def cast_output(x: Any, dtype: Any) -> Any:
   """``x`` in the policy's output ``dtype``; a float64 value is never narrowed."""
   floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
@@ -314,9 +310,9 @@ def _shard_map(run: Run, eqn, args):
 
 def _named(fn: Callable, body: Any) -> Callable:
   """``fn`` under the name of the function the closed jaxpr ``body`` was traced from."""
-  name = getattr(body.jaxpr.debug_info, "func_name", None)
-  if isinstance(name, str) and name:
-    fn.__name__ = fn.__qualname__ = name.split(" ")[0]
+  name = J.function_name(body)
+  if name:
+    fn.__name__ = fn.__qualname__ = name
   return fn
 
 
@@ -331,7 +327,7 @@ def _custom_jvp(run: Run, eqn, args):
 
   def rule(primals, tangents):
     outs = jax.eval_shape(lambda *a: run(p.call, a), *[struct(x) for x in primals])
-    jvp_jaxpr, out_zeros = p.jvp([False] * (len(primals) - p.num_consts))
+    jvp_jaxpr, out_zeros = p.jvp([False] * (len(primals) - p.num_consts))  # no zero tangent
     res = run(jvp_jaxpr, [*primals[p.num_consts :], *tangents[p.num_consts :]])
     nz = iter(res[len(out_zeros) :])
     tan = [
