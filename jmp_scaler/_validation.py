@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 F32 = np.finfo(np.float32)
@@ -42,6 +43,8 @@ def _scalar(name: str, value: Any) -> Any:
 def real(name: str, value: Any) -> float:
   """A real number (bools and complex numbers are refused)."""
   x = _scalar(name, value)
+  if isinstance(x, np.generic) and jnp.issubdtype(x.dtype, jnp.floating):
+    return float(x)  # also ml_dtypes' bfloat16 and fp8, which are not numbers.Real
   if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
     raise ValueError(f"{name} must be a real number, got {value!r}")
   return float(x)

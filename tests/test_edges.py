@@ -111,6 +111,9 @@ def test_zero_d_array_arguments_are_accepted_like_numbers():
   assert float(state.scale) == 2.0**15 and int(state.config.growth_interval) == 3
   assert float(state.config.growth_factor) == 4.0 and int(state.config.hysteresis) == 2
   assert float(jmp_scaler.fixed_scale(np.float16(8.0)).init(None).scale) == 8.0
+  # bfloat16 and fp8 scalars (ml_dtypes: not numbers.Real) are numbers too.
+  assert float(jmp_scaler.dynamic_scale(jnp.bfloat16(2.0**15)).init(None).scale) == 2.0**15
+  assert float(jmp_scaler.fixed_scale(jnp.float8_e4m3fn(8.0)).init(None).scale) == 8.0
 
 
 def test_a_traced_argument_is_refused_with_a_clear_error():

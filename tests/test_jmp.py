@@ -327,6 +327,15 @@ def test_adjust_requires_a_boolean_scalar():
   assert float(loss_scale.adjust(True).loss_scale) == 2.**15  # a Python bool is a scalar
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_a_16_bit_or_fp8_scalar_scale_is_taken_as_jmps_readme_builds_it(dtype):
+  # jmp.half_dtype() is bfloat16 on a TPU: DynamicLossScale(jmp.half_dtype()(2 ** 15)).
+  loss_scale = jmp.DynamicLossScale(dtype(2**8), min_loss_scale=dtype(2))
+  assert loss_scale.loss_scale.dtype == np.float32 and float(loss_scale.loss_scale) == 256
+  assert float(loss_scale.min_loss_scale) == 2
+  assert float(jmp.StaticLossScale(dtype(2**8)).loss_scale) == 256
+
+
 @pytest.mark.parametrize("field", ["loss_scale", "min_loss_scale"])
 def test_a_non_floating_scale_warns_as_in_jmp(field):
   kwargs = {"loss_scale": jnp.asarray(1, jnp.float32), field: jnp.asarray(1, jnp.int32)}
@@ -336,13 +345,21 @@ def test_a_non_floating_scale_warns_as_in_jmp(field):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"loss_scale": 0.}, "loss_scale must be positive and finite, got 0.0"),
+    ({"loss_scale": 0.}, "loss_scale must be positive and finite in float32 .*, got 0.0"),
     ({"loss_scale": np.inf}, "loss_scale must be positive and finite"),
+    # Checked as stored in float32: 1e39 is inf there (every step would then overflow),
+    # 1e-40 subnormal (1 / scale is inf); 1 + 1e-9 is 1 (the scale would never move).
+    ({"loss_scale": 1e39}, "loss_scale must be positive and finite in float32"),
+    ({"loss_scale": 1e-40}, "loss_scale must be positive and finite in float32"),
     ({"loss_scale": jnp.ones(2)}, r"loss_scale must be a scalar, got shape \(2,\)"),
-    ({"loss_scale": 1., "period": 0}, "period must be a positive integer, got 0"),
-    ({"loss_scale": 1., "period": 2.5}, "period must be a positive integer, got 2.5"),
-    ({"loss_scale": 1., "factor": 1}, "factor must be a finite number > 1, got 1"),
-    ({"loss_scale": 1., "min_loss_scale": -1.}, "min_loss_scale must be finite and >= 0"),
+    ({"loss_scale": 1., "period": 0}, r"period must be an integer in \[1, 2\*\*31 - 1\]"),
+    ({"loss_scale": 1., "period": 2.5}, "period must be an integer .*, got 2.5"),
+    ({"loss_scale": 1., "period": 2**31}, "period must be an integer .*, got 2147483648"),
+    ({"loss_scale": 1., "factor": 1}, "factor must be finite and > 1 in float32, got 1"),
+    ({"loss_scale": 1., "factor": 1 + 1e-9}, "factor must be finite and > 1 in float32"),
+    ({"loss_scale": 1., "factor": 1e39}, "factor must be finite and > 1 in float32"),
+    ({"loss_scale": 1., "min_loss_scale": -1.}, "min_loss_scale must be finite in float32"),
+    ({"loss_scale": 1., "min_loss_scale": 1e39}, "min_loss_scale must be finite in float32"),
     ({"loss_scale": 1., "counter": 0.5}, "counter must be an integer, got 0.5"),
     ({"loss_scale": 1., "counter": 5, "period": 5}, r"counter must lie in \[0, period=5\)"),
     ({"loss_scale": "big"}, "loss_scale must be a real number, got 'big'"),
@@ -355,8 +372,10 @@ def test_bad_arguments_raise_when_built(kwargs, match):
 
 
 def test_static_scale_is_configuration():
-  with pytest.raises(ValueError, match="loss_scale must be finite and >= 0, got -1"):
+  with pytest.raises(ValueError, match="loss_scale must be finite in float32 and >= 0, got -1"):
     jmp.StaticLossScale(-1)
+  with pytest.raises(ValueError, match="loss_scale must be finite in float32"):
+    jmp.StaticLossScale(1e39)  # inf as stored
   with pytest.raises(ValueError, match="StaticLossScale is configuration"):
     jax.jit(lambda s: jmp.StaticLossScale(s).scale(1.0))(2.0)
   scaled = jax.jit(lambda ls, x: ls.scale(x))(jmp.StaticLossScale(2**15), jnp.float16(3))

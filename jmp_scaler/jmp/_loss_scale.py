@@ -21,7 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_scaler._validation import INT32_MAX, as_f32
+
 T = TypeVar("T")
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 class _NotABooleanScalar(ValueError, AssertionError):
@@ -54,9 +57,8 @@ def _concrete(name: str, x: Any) -> float | None:
     value = np.asarray(x)
   except jax.errors.TracerArrayConversionError:
     return None
-  if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.number):
-    raise ValueError(f"{name} must be a real number, got {x!r}")
-  if np.iscomplexobj(value):
+  # jnp.issubdtype knows ml_dtypes' bfloat16 and fp8 (NumPy gives them the kind "V").
+  if not jnp.issubdtype(value.dtype, jnp.number) or np.iscomplexobj(value):
     raise ValueError(f"{name} must be a real number, got {x!r}")
   return float(value)
 
@@ -121,8 +123,8 @@ class StaticLossScale:
           f"so it must be known when built; got a traced value {self.loss_scale!r}: build "
           "it outside jit, or use a DynamicLossScale, whose scale is a leaf"
       )
-    if not (math.isfinite(value) and value >= 0):
-      raise ValueError(f"loss_scale must be finite and >= 0, got {self.loss_scale!r}")
+    if not (math.isfinite(as_f32(value)) and value >= 0):  # checked as stored
+      raise ValueError(f"loss_scale must be finite in float32 and >= 0, got {self.loss_scale!r}")
     object.__setattr__(self, "loss_scale", np.float32(value))
 
   def scale(self, tree: T) -> T:
@@ -199,22 +201,28 @@ class DynamicLossScale:
     _warn_if_not_floating(self.loss_scale, "loss_scale")
     _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
     period = _concrete("period", self.period)
-    if period is None or not (period >= 1 and period == int(period)):
-      raise ValueError(f"period must be a positive integer, got {self.period!r}")
+    if period is None or not (1 <= period <= INT32_MAX and period == int(period)):
+      raise ValueError(f"period must be an integer in [1, 2**31 - 1] (the counter is int32), "
+                       f"got {self.period!r}")
     period = int(period)
     factor = _concrete("factor", self.factor)
-    if factor is None or not (math.isfinite(factor) and factor > 1):
-      raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}")
+    # Checked as the float32 arithmetic sees it: 1 + 1e-9 is 1 there (the scale would never
+    # move), 1e39 is inf.
+    if factor is None or not (math.isfinite(as_f32(factor)) and as_f32(factor) > 1):
+      raise ValueError(f"factor must be finite and > 1 in float32, got {self.factor!r}")
     floor = _concrete("min_loss_scale", self.min_loss_scale)
     if floor is None:
       raise ValueError(
           "min_loss_scale is configuration (kept out of the leaves so that jit keeps it), so "
           f"it must be known when built; got a traced value {self.min_loss_scale!r}")
-    if not (math.isfinite(floor) and floor >= 0):
-      raise ValueError(f"min_loss_scale must be finite and >= 0, got {self.min_loss_scale!r}")
+    if not (math.isfinite(as_f32(floor)) and floor >= 0):
+      raise ValueError(
+          f"min_loss_scale must be finite in float32 and >= 0, got {self.min_loss_scale!r}")
     scale = _concrete("loss_scale", self.loss_scale)
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-      raise ValueError(f"loss_scale must be positive and finite, got {self.loss_scale!r}")
+    # Stored in float32: past its range the scale is inf, below its normal range 1 / scale is.
+    if scale is not None and not (math.isfinite(as_f32(scale)) and as_f32(scale) >= _TINY):
+      raise ValueError(f"loss_scale must be positive and finite in float32 (in [{_TINY:.3e}, "
+                       f"{float(np.finfo(np.float32).max):.3e}]), got {self.loss_scale!r}")
     if not jnp.issubdtype(jnp.result_type(self.counter), jnp.integer):
       raise ValueError(f"counter must be an integer, got {self.counter!r}")
     counter = _concrete("counter", self.counter)

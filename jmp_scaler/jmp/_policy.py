@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -98,18 +97,14 @@ def half_dtype() -> Any:
 
   A scalar type, so ``half_dtype()(2 ** 15)`` is a 16-bit scalar array.
   """
-  return jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16
-
-
-_FULL = base.Policy(np.float32, np.float32, np.float32)
+  return _SCALAR_TYPES[base._half_dtype()]  # jmp_scaler's "half", the one device check
 
 
 def cast_to_full(tree: T) -> T:
   """Casts the floating array leaves of ``tree`` to float32 (anything else passes through)."""
-  return _FULL.cast_to_compute(tree)
+  return base._cast_floating(tree, np.dtype(np.float32))
 
 
 def cast_to_half(tree: T) -> T:
   """Casts the floating array leaves of ``tree`` to :func:`half_dtype`."""
-  return base.Policy(np.float32, half_dtype(), np.float32).cast_to_compute(tree)
-
+  return base._cast_floating(tree, np.dtype(half_dtype()))
