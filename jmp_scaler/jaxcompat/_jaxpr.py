@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover - only on a JAX that moved them
 
 __all__ = [
   "ClosedJaxpr", "Jaxpr", "Literal", "Primitive", "bind", "closed", "function_name",
-  "has_sub_jaxprs", "is_jaxpr", "is_literal", "read_literal", "run_closed", "sub_jaxprs",
+  "has_sub_jaxprs", "is_literal", "read_literal", "run_closed",
 ]  # fmt: skip
 
 
@@ -45,15 +45,6 @@ def closed(jaxpr: Any, consts: Sequence[Any] = ()) -> Any:
   if isinstance(jaxpr, ClosedJaxpr):
     return jaxpr
   return ClosedJaxpr(jaxpr, [])  # jax 0.10: a bare Jaxpr (remat's, shard_map's body)
-
-
-def is_jaxpr(x: Any) -> bool:
-  return isinstance(x, (ClosedJaxpr, Jaxpr))
-
-
-def sub_jaxprs(eqn: Any) -> list:
-  """The jaxprs among an equation's parameters (bodies, branches)."""
-  return list(jaxprs_in_params(eqn.params))
 
 
 def has_sub_jaxprs(eqn: Any) -> bool:

@@ -150,14 +150,16 @@ def call_body(eqn: Any) -> Any:
 class CustomJvp(NamedTuple):
   call: Any  #: closed jaxpr of the function
   num_consts: int
-  jvp: Callable  #: jvp(nonzero_tangents) -> (closed jvp jaxpr, which output tangents are zero)
+  #: jvp(zeros) -> (closed jvp jaxpr, which output tangents are zero); ``zeros[i]`` says
+  #: that input i's tangent is a symbolic zero (JAX's jvp_jaxpr_fun, 0.10.2 to 0.12)
+  jvp: Callable
 
 
 def custom_jvp(eqn: Any) -> CustomJvp:
   fun = _get(eqn, "jvp_jaxpr_fun")
 
-  def jvp(nonzeros: Sequence[bool]) -> tuple[Any, list]:
-    jaxpr, consts, out_zeros = fun.call_wrapped(*nonzeros)
+  def jvp(zeros: Sequence[bool]) -> tuple[Any, list]:
+    jaxpr, consts, out_zeros = fun.call_wrapped(*zeros)
     return closed(jaxpr, consts), list(out_zeros)
 
   return CustomJvp(closed(_get(eqn, "call_jaxpr")), _get(eqn, "num_consts"), jvp)

@@ -83,13 +83,6 @@ def user_frames(eqn: Any, excluded_modules: Sequence[Any]) -> list[Frame]:
   return found
 
 
-def user_frame(eqn: Any, excluded_modules: Sequence[Any]) -> Frame | None:
-  """The innermost frame of ``eqn``'s traceback outside the packages of ``excluded_modules``
-  (jax, flax, ...) and outside the standard library's ``contextlib``/``functools``."""
-  found = user_frames(eqn, excluded_modules)
-  return found[0] if found else None
-
-
 def name_stack(eqn: Any) -> str:
   """``eqn``'s name stack as JAX prints it: the ``jax.named_scope`` names around it, wrapped
   in ``jvp(...)`` and ``transpose(...)`` by differentiation (``transpose(jvp(loss))``)."""

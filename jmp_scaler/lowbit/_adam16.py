@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_scaler._leaves import math_dtype
 from jmp_scaler.lowbit._stochastic import (
   check_seed,
   is_low_precision,
@@ -83,9 +84,8 @@ def _rate(name: str, value: Any) -> float:
 def _moment_dtype(name: str, dtype: Any, p: Any) -> np.dtype:
   """The dtype one moment of parameter ``p`` is stored in; refuses what cannot hold it."""
   p_dtype = np.dtype(jnp.result_type(p))
-  if dtype is AT_LEAST_FLOAT32:
-    inexact = jnp.issubdtype(p_dtype, jnp.inexact)
-    return np.dtype(jnp.promote_types(p_dtype, jnp.float32) if inexact else jnp.float32)
+  if dtype is AT_LEAST_FLOAT32:  # float32 for integer and 16-bit parameters, else theirs
+    return math_dtype(p_dtype)
   d = p_dtype if dtype is None else dtype
   if not jnp.issubdtype(d, jnp.inexact):
     raise ValueError(f"{name}=None follows the parameters' dtype, but a parameter is {p_dtype}: "
@@ -100,7 +100,7 @@ def _moment_dtype(name: str, dtype: Any, p: Any) -> np.dtype:
 
 def _widen(x: Any) -> Any:
   """``x`` in the arithmetic's dtype: float32 for 16-bit floats (complex stays complex)."""
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return x.astype(math_dtype(x.dtype))
 
 
 class ScaleByAdamState(NamedTuple):
