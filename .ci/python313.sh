@@ -34,14 +34,21 @@ fi
             -o Dir::State::Lists="$work/lists" -o APT::Get::List-Cleanup=0)
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get -qq "${apt_opts[@]}" update
+  $sudo apt-get -qq update  # the machine's own lists (empty on a fresh container): the build deps
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends \
     build-essential libssl-dev zlib1g-dev libffi-dev libbz2-dev liblzma-dev libsqlite3-dev \
     libreadline-dev uuid-dev dpkg-dev >/dev/null
   (cd "$work" && apt-get -qq "${apt_opts[@]}" source --download-only python3.13)
   (cd "$work" && tar xf python3.13_*.orig.tar.xz)
   src="$(find "$work" -maxdepth 1 -type d -name 'Python-3.13*' | head -1)"
-  (cd "$src" && ./configure --quiet --prefix="$prefix" --without-ensurepip >/dev/null \
-     && make -s -j"$(nproc)" >/dev/null 2>&1 && make -s install >/dev/null 2>&1)
+  log="$cache/build.log"  # kept: its tail is printed when the build fails
+  if ! (cd "$src" && ./configure --prefix="$prefix" --without-ensurepip >"$log" 2>&1 \
+        && make -j"$(nproc)" >>"$log" 2>&1 && make install >>"$log" 2>&1); then
+    tail -n 40 "$log"; echo "building CPython 3.13 failed: $log"; exit 1
+  fi
   "$python" -m ensurepip --default-pip >/dev/null
+  if ! "$python" -c 'import ssl, sqlite3, lzma, bz2, zlib, ctypes, venv'; then
+    echo "CPython 3.13 was built without a module pip or the tests need (see $log)"; exit 1
+  fi
 } >&2
 echo "$python"

@@ -5,9 +5,10 @@ XLA), and an unknown flag in ``XLA_FLAGS`` aborts the process at the first use o
 before a test can say why (pytest-xdist then reports only ``node down``); as a compile option
 it fails the compile (``No such compile option``). So the suite asks for :data:`WANTED` once,
 in a subprocess, drops what that XLA refuses and says so in one line (:func:`note`), and every
-flag string and ``compiler_options`` dict of the tests comes from here. The answer is cached
-per jaxlib version and interpreter in the temporary directory (one probe per machine, about a
-second), and handed to pytest-xdist's workers and the suite's subprocesses in the environment.
+flag string and ``compiler_options`` dict of the tests comes from here. A successful probe is
+cached per jaxlib version and interpreter in the temporary directory (one probe per machine,
+about a second; a failed one is asked again next session), and handed to pytest-xdist's
+workers and the suite's subprocesses in the environment.
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ def _probe() -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   for _ in range(len(WANTED) + 1):
-    run = subprocess.run(
-      [sys.executable, "-c", _PROBE], env={**env, "XLA_FLAGS": _flags(names)},
-      capture_output=True, text=True, timeout=600,
-    )
+    try:
+      run = subprocess.run(
+        [sys.executable, "-c", _PROBE], env={**env, "XLA_FLAGS": _flags(names)},
+        capture_output=True, text=True, timeout=600,
+      )
+    except subprocess.TimeoutExpired:  # a stalled machine: XLA's defaults, said in the note
+      return {"accepted": [], "refused": names, "failure": "the probe timed out (600 s)"}
     if run.returncode == 0:
       return {"accepted": names, "refused": refused, "failure": failure}
     unknown = [n for n in names if any(f"--{n}" in m for m in _UNKNOWN.findall(run.stderr))]
@@ -92,10 +96,11 @@ def answer() -> dict:
       result = json.load(f)
   except (OSError, ValueError):
     result = _probe()
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-      json.dump(result, f)
-    os.replace(tmp, path)  # whole or not at all: a concurrent reader never sees half
+    if not result["failure"]:  # a failed probe (a broken install, a stall) is asked again
+      tmp = f"{path}.{os.getpid()}"
+      with open(tmp, "w") as f:
+        json.dump(result, f)
+      os.replace(tmp, path)  # whole or not at all: a concurrent reader never sees half
   os.environ[_ENV] = json.dumps(result)
   return result
 
