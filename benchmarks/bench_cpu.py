@@ -331,17 +331,19 @@ def _print_table(name, model, rounds, steps, rows):
   print(f"{rounds} rounds x {steps} steps, jax {jax.__version__} {jax.default_backend()}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
         f"ratio = median over rounds of (variant / none in the same round)")
-  head = (f"{'variant':<16}{'median ms':>10}{'spread':>8}{'ratio':>7}{'IQR':>13}"
-          f"{'r(med)':>8}{'temp MiB':>10}{'temp/none':>10}{'traces':>7}{'kernels':>8}"
-          f"{'conds':>6}{'copies':>7}  finite  overflow step")
+  heads = ["median ms", "spread", "ratio", "IQR", "r(med)", "temp MiB", "temp/none", "traces",
+           "kernels", "conds", "copies"]
+  widths = [9, 7, 6, 12, 7, 9, 9, 6, 7, 5, 6]
+  head = _models.row("variant", 16, heads, widths) + "  finite  overflow step"
   print(head)
   print("-" * len(head))
   for r in rows:
     iqr = f"{r['ratio_iqr'][0]:.2f}-{r['ratio_iqr'][1]:.2f}"
-    print(f"{r['variant']:<16}{r['ms']:>10.2f}{r['spread']:>8.0%}{r['ratio']:>7.3f}{iqr:>13}"
-          f"{r['ratio_of_medians']:>8.3f}{r['temp'] / 2**20:>10.2f}"
-          f"{r['temp'] / base_temp:>10.3f}{r['traces']:>7}{r['kernels']:>8}{r['conds']:>6}"
-          f"{r['copies']:>7}  {'yes' if r['finite_timed'] else 'NO':<6}  {r['overflow']}")
+    cells = [f"{r['ms']:.2f}", f"{r['spread']:.0%}", f"{r['ratio']:.3f}", iqr,
+             f"{r['ratio_of_medians']:.3f}", f"{r['temp'] / 2**20:.2f}",
+             f"{r['temp'] / base_temp:.3f}", r["traces"], r["kernels"], r["conds"], r["copies"]]
+    print(_models.row(r["variant"], 16, cells, widths)
+          + f"  {'yes' if r['finite_timed'] else 'NO':<6}  {r['overflow']}")
   sys.stdout.flush()
 
 

@@ -164,15 +164,16 @@ def main(argv=None):
   base = ("none", None)
   print(f"\n## mlp{args.leaves}: {model}, {args.rounds} interleaved compile rounds, "
         f"jax {jax.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-  head = f"{'variant':<20}{'compile':>9}{'IQR':>11}{'cpu':>7}{'IQR':>11}{'comp s':>8}{'lines':>8}"
+  widths = [8, 11, 6, 11, 7, 7]
+  head = _models.row("variant", 20, ["compile", "IQR", "cpu", "IQR", "comp s", "lines"], widths)
   print(head + "\n" + "-" * len(head))
   for k in names:
     w = np.asarray(wall[k]) / np.asarray(wall[base])
     c = np.asarray(cpu[k]) / np.asarray(cpu[base])
     iqr = lambda x: f"{np.percentile(x, 25):.2f}-{np.percentile(x, 75):.2f}"  # noqa: E731
     label = f"{k[0]} {k[1]}" if k[1] else k[0]
-    print(f"{label:<20}{np.median(w):>9.2f}{iqr(w):>11}{np.median(c):>7.2f}{iqr(c):>11}"
-          f"{np.median(wall[k]):>8.2f}{lines[k]:>8}")
+    print(_models.row(label, 20, [f"{np.median(w):.2f}", iqr(w), f"{np.median(c):.2f}", iqr(c),
+                                  f"{np.median(wall[k]):.2f}", lines[k]], widths))
 
 
 if __name__ == "__main__":

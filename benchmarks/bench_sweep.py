@@ -275,8 +275,9 @@ def codegen(name, model, names):
   params = jax.jit(model.init)(kp)  # one program, not one per eager op
   batch = jax.jit(model.batch_of)(kb)
   table = variants(model)
-  head = (f"{'variant':<18}{'kernels':>8}{'emit ms':>9}{'llvm ms':>9}{'passes ms':>10}"
-          f"{'compile ms':>11}")
+  heads = ["kernels", "emit ms", "llvm ms", "passes ms", "compile ms"]
+  widths = [7, 8, 8, 9, 10]
+  head = _models.row("variant", 18, heads, widths)
   print(f"\n## {name}: {model}, one compile each, jax {jax.__version__}, "
         f"load {os.getloadavg()[0]:.1f}\n{head}\n{'-' * len(head)}")
   for v in names:
@@ -302,9 +303,10 @@ def codegen(name, model, names):
       print(f"{v:<18}XLA:CPU's trace has no kernel count (jax {jax.__version__}): not read")
       continue
     kernels = sum(map(int, counts))
-    print(f"{v:<18}{kernels:>8}{total(lambda n: n == 'FusionCompiler::Compile'):>9.0f}"
-          f"{total(lambda n: n == 'Codegen'):>9.0f}"
-          f"{total(lambda n: n.startswith('HLO passes ')):>10.0f}{ms:>11.0f}")
+    cells = [kernels, f"{total(lambda n: n == 'FusionCompiler::Compile'):.0f}",
+             f"{total(lambda n: n == 'Codegen'):.0f}",
+             f"{total(lambda n: n.startswith('HLO passes ')):.0f}", f"{ms:.0f}"]
+    print(_models.row(v, 18, cells, widths))
   sys.stdout.flush()
 
 
@@ -315,9 +317,10 @@ def _print_table(name, model, rounds, steps, rows):
   print(f"{rounds} rounds x {steps} steps, jax {jax.__version__} {jax.default_backend()}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; ratios to none")
   w = max(12, *(len(r['variant']) + 1 for r in rows))
-  head = (f"{'variant':<{w}}{'ms':>9}{'step':>7}{'IQR':>11}{'lower':>7}{'compile':>8}"
-          f"{'cpu':>6}{'comp s':>8}{'temp':>8}{'+temp':>7}{'kernels':>8}{'conds':>6}{'selects':>8}"
-          f"{'reduces':>8}{'lines':>8}  finite  overflow")
+  names = ["ms", "step", "IQR", "lower", "compile", "cpu", "comp s", "temp", "+temp", "kernels",
+           "conds", "selects", "reduces", "lines"]
+  widths = [8, 6, 11, 6, 7, 5, 7, 7, 6, 7, 5, 7, 7, 7]
+  head = _models.row("variant", w, names, widths) + "  finite  overflow"
   print(head)
   print("-" * len(head))
   for r in rows:
@@ -325,11 +328,12 @@ def _print_table(name, model, rounds, steps, rows):
     # none applies the overflow; bare runs Adam on zeros (documented); others must keep.
     moved = {"none": "APPLIED", "bare": "moved (bare)"}.get(r["variant"], "APPLIED (bug)")
     kept = "kept" if r["kept"] else moved
-    print(f"{r['variant']:<{w}}{r['ms']:>9.2f}{r['ratio']:>7.2f}{iqr:>11}"
-          f"{r['lower']:>7.2f}{r['compile']:>8.2f}{r['cpu']:>6.2f}{r['compile_s']:>8.2f}"
-          f"{r['temp'] / 2**20:>8.1f}{(r['temp'] - base['temp']) / 2**20:>7.1f}"
-          f"{r['kernels']:>8}{r['conds']:>6}{r['selects']:>8}{r['reduces']:>8}{r['lines']:>8}"
-          f"  {'yes' if r['finite'] else 'NO':<6}  {kept}")
+    cells = [f"{r['ms']:.2f}", f"{r['ratio']:.2f}", iqr, f"{r['lower']:.2f}",
+             f"{r['compile']:.2f}", f"{r['cpu']:.2f}", f"{r['compile_s']:.2f}",
+             f"{r['temp'] / 2**20:.1f}", f"{(r['temp'] - base['temp']) / 2**20:.1f}",
+             r["kernels"], r["conds"], r["selects"], r["reduces"], r["lines"]]
+    print(_models.row(r["variant"], w, cells, widths)
+          + f"  {'yes' if r['finite'] else 'NO':<6}  {kept}")
   sys.stdout.flush()
 
 
