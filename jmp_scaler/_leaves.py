@@ -27,6 +27,16 @@ def is_floating(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def is_inexact_array(x: Any) -> bool:
+  """Whether ``x`` is a floating or complex JAX or NumPy array: a leaf that is differentiated.
+
+  ``equinox.is_inexact_array``'s rule: Python numbers, integer and boolean
+  arrays, PRNG keys, strings, functions and any other leaf are not.
+  """
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+      x.dtype, jnp.inexact)
+
+
 def is_real_floating(x: Any) -> bool:
   """Whether ``x`` is a real floating array (what precision casts and rounding touch)."""
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)

@@ -9,6 +9,7 @@ alone, as it ran and in float32, which gives the verdict: float16's range, or a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -23,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import is_half
+from jmp_scaler._leaves import is_half, is_inexact_array
 from jmp_scaler.diagnostics import _walk as W
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
@@ -279,10 +280,6 @@ def _merge(x: Any) -> Any:
   return x.merge() if isinstance(x, _Module) else x
 
 
-def _is_dynamic(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 class _Call:
   """``fn(*args, **kwargs)`` as a function of its array leaves (NNX modules split first)."""
 
@@ -290,7 +287,7 @@ class _Call:
     parts = (_split(fn), tuple(_split(a) for a in args), {k: _split(v) for k, v in kwargs.items()})
     with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(parts)
     leaves = [x for _, x in with_paths]
-    self.mask = [_is_dynamic(x) for x in leaves]
+    self.mask = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
     self.static = [None if m else x for x, m in zip(leaves, self.mask, strict=True)]
     self.dynamic = [x for x, m in zip(leaves, self.mask, strict=True) if m]
     self.names = [_name(p) for (p, _), m in zip(with_paths, self.mask, strict=True) if m]
@@ -302,7 +299,7 @@ class _Call:
     n_first = len(jax.tree.leaves(first))
     dyn_index = np.cumsum(self.mask) - 1
     self.first = [int(dyn_index[i]) for i in range(n_fn, n_fn + n_first)
-                  if self.mask[i] and jnp.issubdtype(jnp.result_type(leaves[i]), jnp.inexact)]
+                  if is_inexact_array(leaves[i])]
     self.rest = [i for i in range(len(self.dynamic)) if i not in set(self.first)]
     self.has_args = bool(args)
 
@@ -352,19 +349,16 @@ class _Search:
 
   def __init__(self, closed: Any, args: list, names: list[str]):
     self.closed, self.args, self.names = closed, args, names
-    self._probed: W.Probed | None = None
 
-  @property
+  @functools.cached_property
   def probed(self) -> W.Probed:
-    if self._probed is None:
-      self._probed = W.probe(self.closed, self.args)
-    return self._probed
+    return W.probe(self.closed, self.args)
 
-  @property
+  @functools.cached_property
   def path(self) -> list | None:
     return W.first_origin(self.probed.layout, self.probed.record)
 
-  @property
+  @functools.cached_property
   def eqns(self) -> list:
     return W.equations(self.probed.layout, self.path)
 
@@ -403,7 +397,7 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
     notes.append(f"it could not be run again alone ({why})")
   else:
     outputs = tuple(ValueInfo.of(o) for o in outs)
-    bad = next((o for o in outs if not _all_finite(o)), None)
+    bad = next((o for o in outs if not W.host_finite(o)), None)
     first_index = None if bad is None else tuple(
       int(i) for i in np.argwhere(~np.isfinite(_wide(bad)))[0])
     if bad is None:
@@ -415,7 +409,7 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
     if wide is None and outs is not None:
       notes.append(f"it could not be run again in float32 ({why32})")
   else:
-    finite32 = all(_all_finite(o) for o in wide)
+    finite32 = all(W.host_finite(o) for o in wide)
     sizes = [ValueInfo.of(o).max_abs for o in wide if np.asarray(o).size]
     max32 = max([m for m in sizes if not math.isnan(m)], default=float("nan"))
   where, policy, region = _context(eqns, path)
@@ -445,11 +439,6 @@ def _wide(x: Any) -> np.ndarray:
   """A floating ``x`` as float64 (complex128), for counting and measuring on the host."""
   a = np.asarray(x)
   return a.astype(np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating) else np.float64)
-
-
-def _all_finite(x: Any) -> bool:
-  a = np.asarray(x)
-  return not _inexact(a.dtype) or bool(np.all(np.isfinite(_wide(a))))
 
 
 def _run(eqn: Any, inputs: list, widen: bool) -> tuple[list | None, str]:

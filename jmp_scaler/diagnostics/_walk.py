@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jmp_scaler._leaves import is_floating
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat import _types as T
@@ -150,17 +151,13 @@ def equations(layout: Layout, path: Sequence[Step]) -> list[Any]:
 # ---------------------------------------------------------------- helpers
 
 
-def _inexact(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 def finite(x: Any) -> Any:
   """Whether every element of ``x`` is finite: a traced bool, or True for non-floating ``x``.
 
   Not ``isfinite(sum(x * 0))``, which compiles faster: XLA folds ``(y * 1000) * 0`` into
   ``y * 0``, and an overflow of ``y * 1000`` would go unseen.
   """
-  if not hasattr(x, "dtype") or not _inexact(x) or not np.size(x):
+  if not is_floating(x) or not np.size(x):
     return True
   return jnp.all(jnp.isfinite(x))
 
@@ -175,12 +172,13 @@ def _widens(eqn: Any) -> bool:
   return floating(src) and floating(dst) and jnp.finfo(dst).max >= jnp.finfo(src).max
 
 
-def _literal_finite(v: Any) -> bool:
-  val = np.asarray(v.val)
-  if not jnp.issubdtype(val.dtype, jnp.inexact):
+def host_finite(x: Any) -> bool:
+  """Whether every element of the host value ``x`` is finite (True for non-floating ``x``);
+  bfloat16 and fp8 are widened to float64 first."""
+  a = np.asarray(x)
+  if not jnp.issubdtype(a.dtype, jnp.inexact):
     return True
-  return bool(np.all(np.isfinite(val.astype(np.complex128 if val.dtype.kind == "c" else
-                                            np.float64))))
+  return bool(np.all(np.isfinite(a.astype(np.complex128 if a.dtype.kind == "c" else np.float64))))
 
 
 def _or(a: Any, b: Any) -> Any:
@@ -324,7 +322,7 @@ class _Probe:
 
     def slot_of(v):
       if J.is_literal(v):
-        return flags.TRUE if _literal_finite(v) else flags.FALSE
+        return flags.TRUE if host_finite(v.val) else flags.FALSE
       return fin[v]
 
     segments: list = []  # ("ops", [op numbers]) or ("sub", record, found)
@@ -347,7 +345,7 @@ class _Probe:
       elif name in SAME_VALUES or _widens(eqn):  # finite exactly when its inputs are
         outs = J.bind(eqn, ins)
         same = flags.all(in_slots)
-        out_fin = [same if _inexact(o) else True for o in outs]
+        out_fin = [same if is_floating(o) else True for o in outs]
         sub = None
       else:
         outs = J.bind(eqn, ins)

@@ -7,10 +7,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jmp_scaler import _validation as validation
+from jmp_scaler._leaves import is_inexact_array
 from jmp_scaler.scaling._lookup import get_scale
 
 
@@ -21,16 +21,6 @@ def _scale_of(source: Any) -> jax.Array:
   elif hasattr(source, "opt_state") and hasattr(source, "apply_gradients"):
     source = source.opt_state
   return get_scale(source)
-
-
-def is_inexact_array(x: Any) -> bool:
-  """Whether ``x`` is a floating or complex JAX or NumPy array: a leaf that is differentiated.
-
-  ``equinox.is_inexact_array``'s rule: Python numbers, integer and boolean
-  arrays, PRNG keys, strings, functions and any other leaf are not.
-  """
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-      x.dtype, jnp.inexact)
 
 
 class _Partition:
