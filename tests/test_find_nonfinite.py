@@ -341,3 +341,24 @@ def test_bad_functions_and_inputs_are_refused_clearly():
   with pytest.raises(ValueError, match=r"in the inputs already \(args\[1\]\['x'\]\)"):
     jmp_scaler.find_nonfinite(lambda w, b: w * b["x"], jnp.ones(2),
                               {"x": jnp.array([1.0, jnp.nan])})  # fmt: skip
+
+
+# ---------------------------------------------------------------- inside a library's jit (issue 37)
+
+
+def distance(w, w0):
+  return jnp.linalg.norm(w - w0)  # the norm call
+
+
+def test_the_gradient_of_a_norm_at_zero_names_the_users_call_of_the_norm():
+  r = find(distance, jnp.ones(3), jnp.ones(3), scale=2.0)  # d|w - w0| at 0: 0.5 / sqrt(0)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("backward", "div", False)
+  assert "the norm call" in line_of(r) and r.source.endswith("(distance)")
+  assert r.where == ("jit norm",)  # the library function, by its name
+  assert "division by zero" in r.advice and "double-where" in r.advice
+
+
+def test_a_forward_overflow_inside_a_jitted_library_function_names_the_users_line():
+  r = find(lambda x: jnp.linalg.norm(x.astype(F16)), jnp.full(4, 300.0))  # 300^2 > 65504
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "mul", True)  # x * x
+  assert "300^2 > 65504" in line_of(r) and r.where == ("jit norm",)

@@ -85,7 +85,7 @@ class NonFiniteOp:
     primitive: the JAX primitive (``"dot_general"``, ``"exp"``, ``"convert_element_type"``).
     source: ``"path/to/file.py:LINE (function)"``: the first frame outside jax, flax, optax,
       equinox and jmp_scaler (for a backward operation, the forward operation it
-      differentiates).
+      differentiates; inside a library's jitted function, the line that called it).
     finite_in_float32: whether the same operation on the same inputs gives a finite result
       with its half-precision inputs and result widened to float32 (a float16 range problem,
       not a bug of the model); None when it cannot be run again alone (``note`` says why).
@@ -414,6 +414,8 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
     max32 = max([m for m in sizes if not math.isnan(m)], default=float("nan"))
   where, policy, region = _context(eqns, path)
   frames = _frames(eqn)
+  if not frames:  # inside a library's jitted function: the line that called it
+    frames = next((f for f in map(_frames, reversed(eqns[:-1])) if f), [])
   in_scale = SCALE_SCOPE in S.name_stack(eqn)
   source = frames[0] if frames else _library_source(eqn)
   if in_scale:
