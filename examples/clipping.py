@@ -8,13 +8,16 @@ the whole story::
 
   optax.chain(jmp_scaler.dynamic_scale(), optax.clip_by_global_norm(1.0), optax.sgd(lr))
 
-The same float16 model is trained three ways on a regression task whose
+The same float16 model is trained two ways on a regression task whose
 targets have heavy-tailed noise (rare, huge gradients):
 
 * ``no clipping``: the outliers' gradients throw the parameters around;
-* ``scaler, clip``: clips the true gradients at norm 1 (right);
-* ``clip, scaler``: clips the *scaled* gradients at norm 1, then divides by
-  the scale: every update is 65536 times too small and nothing is learnt.
+* ``scaler, clip``: clips the true gradients at norm 1 (right).
+
+The third order, ``clip, scaler``, would clip the *scaled* gradients at norm 1
+and then divide by the scale: every update 65536 times too small, nothing
+learnt, no error. The scaler refuses it when the chain is initialised; the
+example prints that refusal.
 
 For each run it prints the final test loss and the median norm of the
 gradient the optimizer applied (plain SGD, so ``|update| / lr``) next to the
@@ -104,8 +107,8 @@ def main(argv=None) -> dict[str, float]:
   runs = {
       "no clipping": optax.chain(jmp_scaler.dynamic_scale(), sgd),
       "scaler, clip": optax.chain(jmp_scaler.dynamic_scale(), clip, sgd),
-      "clip, scaler": optax.chain(clip, jmp_scaler.dynamic_scale(), sgd),  # wrong
   }
+  wrong = optax.chain(clip, jmp_scaler.dynamic_scale(), sgd)
   xt, _, yt = data["test"]
   init_loss = float(jnp.mean((jax.jit(MLP().apply)(params, xt) - yt) ** 2))
   print(f"float16 compute, SGD lr={args.lr}, clip at global norm {args.max_norm}; "
@@ -120,9 +123,13 @@ def main(argv=None) -> dict[str, float]:
     print(f"{name:<14} {loss:>10.4g} {np.median(true):>19.4g} {np.median(applied):>17.4g}"
           f" {np.max(applied):>14.4g} {skipped:>8}")
     results[name] = loss
+  try:
+    wrong.init(params)
+  except ValueError as e:
+    print(f"{'clip, scaler':<14} refused at init: {str(e).split(', after')[0]}")
   print("Without clipping, outliers' gradients blow the parameters up; float16 then overflows\n"
         "on every step, which the scaler skips. The scaler hands unscaled gradients down the\n"
-        "chain, so clip after it; clipped before it, updates are `scale` times too small.")
+        "chain, so clip after it; clipped before it, updates would be `scale` times too small.")
   return results
 
 

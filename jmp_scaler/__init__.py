@@ -25,6 +25,7 @@ each importing only from wings on lower floors (``tools/house.py`` draws it and
 from jmp_scaler.scaling._scaler import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from jmp_scaler.scaling._scaler import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
 from jmp_scaler.scaling._scaler import LossScaleState as LossScaleState
+from jmp_scaler.scaling._scaler import LossScaler as LossScaler
 from jmp_scaler.scaling._scaler import ScaleConfig as ScaleConfig
 from jmp_scaler.scaling._scaler import all_finite as all_finite
 from jmp_scaler.scaling._scaler import dynamic_scale as dynamic_scale
@@ -108,6 +109,7 @@ __all__ = (
     "KahanState",
     "LINEN_FLOAT32_MODULES",
     "LossScaleState",
+    "LossScaler",
     "NNXOptimizer",
     "NNX_FLOAT32_MODULES",
     "NonFiniteOp",

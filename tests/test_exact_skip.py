@@ -226,8 +226,9 @@ def test_auto_skip_mode_follows_the_backend(
 
 
 def test_train_state_without_a_scaler_behaves_like_flax():
-  state = jmp_scaler.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
-                                       tx=optax.sgd(1.0))
+  with pytest.warns(UserWarning, match="holds no loss scaler"):
+    state = jmp_scaler.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+                                         tx=optax.sgd(1.0))
   state = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
   assert int(state.step) == 1 and float(state.params["w"][1]) == 0.0
   with pytest.raises(ValueError, match="holds no loss scaler"):  # no scale to read: not 1

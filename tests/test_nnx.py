@@ -158,10 +158,9 @@ def test_restore_on_skip_rejects_live_variables_and_unknown_paths():
 
 def test_without_scaler_it_is_nnx_optimizer():
   models = [build(), build()]
-  opts = [
-      jmp_scaler.NNXOptimizer(models[0], optax.sgd(0.5), wrt=nnx.Param),
-      nnx.Optimizer(models[1], optax.sgd(0.5), wrt=nnx.Param),
-  ]
+  with pytest.warns(UserWarning, match="holds no loss scaler"):
+    ours = jmp_scaler.NNXOptimizer(models[0], optax.sgd(0.5), wrt=nnx.Param)
+  opts = [ours, nnx.Optimizer(models[1], optax.sgd(0.5), wrt=nnx.Param)]
   for model, opt in zip(models, opts, strict=True):
     opt.update(model, nnx.state(model, nnx.Param))  # the parameters as gradients
   assert _bytes(models[0]) == _bytes(models[1]) != _bytes(build())

@@ -425,7 +425,8 @@ def test_every_reader_of_the_scale_agrees_without_a_scaler_and_two_are_an_error(
   # Without a scaler every reader raises the same error (a float16 chain that lost its scaler
   # must not train on unscaled gradients in silence); find_scale_state asks, and answers None.
   plain = optax.adam(1.0).init(jnp.ones(2))
-  state = jmp_scaler.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=optax.adam(1.0))
+  with pytest.warns(UserWarning, match="holds no loss scaler"):  # said at creation too
+    state = jmp_scaler.TrainState.create(apply_fn=None, params=jnp.ones(2), tx=optax.adam(1.0))
   readers = {
       "get_scale": lambda: jmp_scaler.get_scale(plain),
       "scale_metrics": lambda: jmp_scaler.scale_metrics(plain),
@@ -438,7 +439,9 @@ def test_every_reader_of_the_scale_agrees_without_a_scaler_and_two_are_an_error(
       read()
       pytest.fail(f"{name} read a scale without a scaler")
   assert jmp_scaler.find_scale_state(plain) is None
-  two = optax.chain(jmp_scaler.dynamic_scale(), jmp_scaler.dynamic_scale()).init(None)
+  with pytest.raises(ValueError, match="position 1"):  # a chain refuses the second at init
+    optax.chain(jmp_scaler.dynamic_scale(), jmp_scaler.dynamic_scale()).init(None)
+  two = (jmp_scaler.dynamic_scale().init(None), jmp_scaler.dynamic_scale().init(None))
   with pytest.raises(ValueError, match="2 loss-scaler states"):
     jmp_scaler.get_scale(two)
 

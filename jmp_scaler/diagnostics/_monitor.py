@@ -177,8 +177,9 @@ class ScaleMonitor:
     if bounded and scale <= self.min_scale:
       found.append(("min_scale", f"loss scale at min_scale={self.min_scale:g} at step {step}: "
                     "it cannot back off further, so every overflowing step is skipped. The "
-                    "overflow is likely not a matter of scale: look for a non-finite forward "
-                    "pass or loss (jmp_scaler.nonfinite_report), or train in bfloat16. To "
+                    "overflow is likely not a matter of scale: find the operation that makes the "
+                    "first inf/NaN, forward or backward, with jmp_scaler.find_nonfinite(loss_fn, "
+                    "*args, scale=...), or train in bfloat16. To "
                     "recover, fix the cause and restore the last checkpoint taken before the "
                     "collapse: from the default min_scale a float16 model needs about 107 "
                     "growths (x growth_interval steps) before its gradients are non-zero "
@@ -217,16 +218,19 @@ class ScaleMonitor:
     if peak / scale >= self.collapse_factor:
       found.append(("collapse", f"loss scale collapsed from {peak:g} to {scale:g} "
                     f"({peak / scale:g}x) within {step - peak_step} steps (step {peak_step} to "
-                    f"{step}): gradients overflow step after step. Read "
-                    "jmp_scaler.nonfinite_report(grads) on a skipped step to name the layer."))
+                    f"{step}): gradients overflow step after step. On one batch of a skipped step, "
+                    "jmp_scaler.find_nonfinite(loss_fn, *args, scale=...) names the operation "
+                    "and the line that made the first inf/NaN (a forward cast included); "
+                    "jmp_scaler.nonfinite_report(grads) names the overflowing leaves."))
     first_step, _, first_total = recent[0]
     if step - first_step >= self.window:
       rate = (total - first_total) / (step - first_step)
       if rate > self.max_skip_rate:
         found.append(("skip_rate", f"{rate:.1%} of the updates from step {first_step} to "
                       f"{step} were skipped (more than {self.max_skip_rate:.1%}): the model "
-                      "barely trains. Name the overflowing leaves with "
-                      "jmp_scaler.nonfinite_report; if the skips follow each growth, raise "
+                      "barely trains. Find the operation that overflows with "
+                      "jmp_scaler.find_nonfinite (the leaves: jmp_scaler.nonfinite_report); if "
+                      "the skips follow each growth, raise "
                       "growth_interval."))
     return found
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_scaler.scaling._scaler import dynamic_scale, no_scale
+from jmp_scaler.scaling._scaler import LossScaler, dynamic_scale, no_scale
 
 T = TypeVar("T")
 
@@ -119,7 +119,7 @@ class Policy:
     """True when float16 is involved (bfloat16 has float32's range)."""
     return _FLOAT16 in (self.param_dtype, self.compute_dtype)
 
-  def loss_scaler(self, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+  def loss_scaler(self, **kwargs: Any) -> LossScaler:
     """The loss scaler this policy needs, to put at the head of the chain.
 
     ``jmp_scaler.dynamic_scale(**kwargs)`` when float16 is involved;

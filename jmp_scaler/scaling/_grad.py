@@ -64,7 +64,8 @@ def value_and_grad(
 
   The scale is read from ``scale_from`` when the returned function is called
   (inside ``jax.jit``, ``nnx.jit``, ``eqx.filter_jit`` or ``shard_map``: no
-  host sync). Without a scaler in it the scale is 1.
+  host sync). Without a scaler in it the call raises a ``ValueError`` (put
+  ``jmp_scaler.no_scale()`` at the head of the chain for a scale of 1).
 
   Only the inexact (floating and complex) array leaves of the differentiated
   arguments are differentiated, as ``eqx.filter_value_and_grad`` does: every

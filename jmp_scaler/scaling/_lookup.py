@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import flax
 import jax
 from flax import nnx
 
+import jmp_scaler
+from jmp_scaler._leaves import floating_leaves, is_half
 from jmp_scaler.scaling._scaler import LossScaleState, ScaleConfig
 
 _FIELDS = frozenset(LossScaleState._fields)
@@ -119,6 +125,36 @@ def find_scale_state(opt_state: Any) -> LossScaleState | None:
   if _is_scale_mapping(state):
     return _from_mapping(state)
   return jax.tree.map(_value, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _caller_stacklevel() -> int:
+  """The ``stacklevel`` of the first frame outside jmp_scaler and flax (NNX's metaclass calls
+  ``__init__`` from its own frames), counted from the caller of this function."""
+  skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (flax, jmp_scaler))
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(skip):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def warn_without_scaler(opt_state: Any, params: Any, who: str) -> None:
+  """Warns at the creation of ``who`` (a TrainState or NNXOptimizer) whose ``opt_state``
+  holds no loss scaler: nothing would then skip a non-finite step.
+
+  Without a scaler the exact skip has nothing to decide with, so an inf/NaN gradient is
+  applied to the parameters and reaches every optimizer state (Adam's moments stay NaN).
+  """
+  if find_scale_state(opt_state) is not None:
+    return
+  half = sorted({str(x.dtype) for x in floating_leaves(params) if is_half(x.dtype)})
+  why = (f"its parameters are {' and '.join(half)}, whose gradients underflow and overflow "
+         "without loss scaling, and " if half else "")
+  warnings.warn(
+      f"{who} was created with a tx that holds no loss scaler: {why}an inf/NaN gradient "
+      "would be applied to the parameters and poison the optimizer state, with no skip. Put "
+      "jmp_scaler.no_scale() at the head of the chain (scale 1; non-finite steps skipped), "
+      "or policy.loss_scaler() (dynamic_scale() for float16)",
+      UserWarning, stacklevel=_caller_stacklevel())
 
 
 def _describe(x: Any) -> str:

@@ -21,6 +21,7 @@ from flax import struct
 
 from jmp_scaler import _validation as validation
 from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, one_cpu_device, row_major
+from jmp_scaler.scaling._position import check_head
 
 _F32 = validation.F32
 #: Default lower bound of the scale: the smallest normal float32, so ``1/scale``
@@ -105,6 +106,36 @@ _BARE_WARNED: list[bool] = []  # non-empty once the warning was given
 # The factories.
 
 
+class LossScaler(optax.GradientTransformationExtraArgs):
+  """The transformation :func:`dynamic_scale`, :func:`fixed_scale` and :func:`no_scale`
+  return: an ``optax.GradientTransformationExtraArgs`` (``init``, ``update``) whose repr
+  says which scaler it is, with its configuration (``print(policy.loss_scaler())``)."""
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return getattr(self.init, "description", "jmp_scaler loss scaler")
+
+
+#: The factories' defaults: :func:`_describe` shows the arguments that differ from them.
+_DEFAULTS: dict[str, Any] = dict(
+    growth_factor=2.0, backoff_factor=0.5, min_scale=float(np.float32(DEFAULT_MIN_SCALE)),
+    max_scale=float(np.float32(DEFAULT_MAX_SCALE)), hysteresis=1, skip_mode="auto",
+    axis_name=None)
+
+
+def _describe(name: str, kwargs: dict[str, Any], bare: bool, first: bool = True) -> str:
+  """``dynamic_scale(init_scale=65536.0, growth_interval=2000)``: the arguments that
+  differ from the factory's defaults, as a user would write them (the first always: the
+  scale and, for ``dynamic_scale``, the interval)."""
+  items = list(kwargs.items())
+  always = 2 if name == "dynamic_scale" else int(first)
+  shown = items[:always] + [(k, v) for k, v in items[always:] if v != _DEFAULTS.get(k)]
+  if bare:
+    shown.append(("bare", True))
+  return f"{name}({', '.join(f'{k}={v!r}' for k, v in shown)})"
+
+
 def _transformation(
     *,
     init_scale: float,
@@ -117,7 +148,8 @@ def _transformation(
     axis_name: Hashable | None,
     skip_mode: str,
     bare: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+    description: str,
+) -> LossScaler:
   """Builds the transformation from validated values (and checks ``bare``)."""
   if not isinstance(bare, bool | np.bool_):
     raise ValueError(f"bare must be True or False, got {bare!r}")
@@ -126,6 +158,7 @@ def _transformation(
 
   def init_fn(params):
     del params
+    check_head("the loss scaler")
     i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
     f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
     return LossScaleState(
@@ -167,7 +200,8 @@ def _transformation(
       )
     return unscaled, next_state(state, finite)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  init_fn.description = description  # type: ignore[attr-defined]
+  return LossScaler(init_fn, update_fn)
 
 
 def dynamic_scale(
@@ -182,7 +216,7 @@ def dynamic_scale(
     axis_name: Hashable | None = None,
     skip_mode: str = "auto",
     bare: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaler:
   """Dynamic loss scaling, step for step PyTorch's ``torch.amp.GradScaler``.
 
   Put it at the head of a chain and multiply the loss by
@@ -251,7 +285,8 @@ def dynamic_scale(
       configuration, not state.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    A :class:`LossScaler` (an ``optax.GradientTransformationExtraArgs`` whose
+    repr names the scaler and its configuration) whose state is a
     :class:`LossScaleState`.
 
   Raises:
@@ -299,6 +334,10 @@ def dynamic_scale(
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
       bare=bare,
+      description=_describe("dynamic_scale", dict(
+          init_scale=init, growth_interval=interval, growth_factor=growth,
+          backoff_factor=backoff, min_scale=lo, max_scale=hi, hysteresis=hysteresis,
+          skip_mode=skip_mode, axis_name=axis_name), bare),
   )
 
 
@@ -308,7 +347,7 @@ def fixed_scale(
     axis_name: Hashable | None = None,
     skip_mode: str = "auto",
     bare: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaler:
   """A constant loss scale, with the same state as :func:`dynamic_scale`.
 
   For debugging, fix a small scale and compare with the dynamic run. Gradients are
@@ -323,7 +362,8 @@ def fixed_scale(
     bare: as in :func:`dynamic_scale`.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    A :class:`LossScaler` (an ``optax.GradientTransformationExtraArgs`` whose
+    repr names the scaler and its configuration) whose state is a
     :class:`LossScaleState`.
   """
   s = validation.positive_f32("scale", scale)
@@ -338,18 +378,23 @@ def fixed_scale(
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
       bare=bare,
+      description=_describe(
+          "fixed_scale", dict(scale=s, skip_mode=skip_mode, axis_name=axis_name), bare),
   )
 
 
 def no_scale(
     *, axis_name: Hashable | None = None, skip_mode: str = "auto", bare: bool = False
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaler:
   """Loss scaling turned off (PyTorch's ``GradScaler(enabled=False)``).
 
   ``fixed_scale(1.0)``: the loss is not scaled, but non-finite steps are still
   skipped and counted, and the state matches :func:`dynamic_scale`'s.
   """
-  return fixed_scale(1.0, axis_name=axis_name, skip_mode=skip_mode, bare=bare)
+  tx = fixed_scale(1.0, axis_name=axis_name, skip_mode=skip_mode, bare=bare)
+  tx.init.description = _describe(  # type: ignore[attr-defined]
+      "no_scale", dict(skip_mode=skip_mode, axis_name=axis_name), bare, first=False)
+  return tx
 
 
 # --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import jax
 import optax
 from flax import nnx
 
-from jmp_scaler.scaling._lookup import get_scale, scale_metrics
+from jmp_scaler.scaling._lookup import get_scale, scale_metrics, warn_without_scaler
 from jmp_scaler.scaling._scaler import FINITE_KEY
 from jmp_scaler.scaling._skip import apply_or_skip, noop_updates, plan_step
 
@@ -75,7 +75,9 @@ class NNXOptimizer(nnx.Optimizer):
     ...
     optimizer.update(model, grads, restore_on_skip=stats)
 
-  Without a scaler in ``tx``'s state, ``update`` is ``nnx.Optimizer``'s.
+  Without a scaler in ``tx``'s state nothing decides a skip: the constructor
+  warns (put ``jmp_scaler.no_scale()`` at the head of the chain), and
+  ``update`` is ``nnx.Optimizer``'s, which applies a non-finite gradient.
 
   Args:
     model: the NNX module.
@@ -84,6 +86,11 @@ class NNXOptimizer(nnx.Optimizer):
     wrt: the filter of the variables to optimize (as in ``nnx.grad``).
     graph: as in ``nnx.Optimizer``.
   """
+
+  def __init__(self, model, tx, *args, **kwargs):
+    super().__init__(model, tx, *args, **kwargs)
+    params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    warn_without_scaler(nnx.as_pure(self.opt_state), params, "jmp_scaler.NNXOptimizer")
 
   def update(self, model, grads, /, *, restore_on_skip: Any = None, **kwargs) -> Any:
     """Applies ``grads`` (of the scaled loss) unless they are not finite.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from jmp_scaler.scaling._lookup import get_scale, scale_metrics
+from jmp_scaler.scaling._lookup import get_scale, scale_metrics, warn_without_scaler
 from jmp_scaler.scaling._scaler import FINITE_KEY
 from jmp_scaler.scaling._skip import apply_or_skip, plan_step
 
@@ -37,13 +37,19 @@ class TrainState(train_state.TrainState):
   ``step`` therefore counts applied updates, like Adam's ``count``; the
   scaler's ``steps`` metric counts every call. ``create`` makes ``step`` an
   int32 array, so a jitted step traces once (flax's Python ``0`` retraces).
-  Without a scaler in ``opt_state`` it behaves as flax's ``TrainState``.
+  Without a scaler in ``opt_state`` nothing decides a skip: ``create`` warns
+  (put ``jmp_scaler.no_scale()`` at the head of the chain), and
+  ``apply_gradients`` is flax's, which applies a non-finite gradient.
   """
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, **kwargs):
-    """Like flax's ``create``, with ``step`` an int32 array."""
+    """Like flax's ``create``, with ``step`` an int32 array.
+
+    Warns (``UserWarning``) when ``tx``'s state holds no loss scaler.
+    """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    warn_without_scaler(state.opt_state, params, "jmp_scaler.TrainState")
     return state.replace(step=jnp.asarray(0, jnp.int32))
 
   def apply_gradients(self, *, grads, **kwargs):
