@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax import lax
@@ -343,7 +344,7 @@ def test_bad_functions_and_inputs_are_refused_clearly():
                               {"x": jnp.array([1.0, jnp.nan])})  # fmt: skip
 
 
-# ---------------------------------------------------------------- inside a library's jit (issue 37)
+# ------------------------------------------------------------ inside a library's jit (issue 37)
 
 
 def distance(w, w0):
@@ -362,3 +363,64 @@ def test_a_forward_overflow_inside_a_jitted_library_function_names_the_users_lin
   r = find(lambda x: jnp.linalg.norm(x.astype(F16)), jnp.full(4, 300.0))  # 300^2 > 65504
   assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "mul", True)  # x * x
   assert "300^2 > 65504" in line_of(r) and r.where == ("jit norm",)
+
+
+# ---------------------------------------------------------- the function in float32 (issue 37)
+
+
+def adam_update(params, grads, opt_state):
+  updates, _ = optax.adam(1e-3).update(grads, opt_state, params)  # optax's own adam
+  return optax.apply_updates(params, updates)
+
+
+def test_optax_adam_on_float16_parameters_blames_its_eps_not_the_data():
+  params = {"w": jnp.ones(4, F16)}
+  grads = {"w": jnp.array([0.0, 1e-3, 0.0, 1.0], F16)}  # a zero gradient: 0 / (sqrt(0) + eps)
+  opt_state = optax.adam(1e-3).init(params)  # float16 moments, as optax#1784 reports
+  r = find(adam_update, params, grads, opt_state)
+  assert (r.phase, r.primitive, r.finite_in_float32) == ("forward", "div", False)
+  assert "optax's own adam" in line_of(r)
+  assert r.fn_finite_in_float32 is True  # float32 moments and eps: the update is 0
+  assert "the constant 1e-08 is 0 in float16" in r.upstream
+  assert "Fix the data" not in r.advice and "jmp_scaler.adam" in r.advice
+  text = " ".join(str(r).split())
+  assert "upstream add at" in text and "the whole function run in float32 is" in text
+  # The advice holds: jmp_scaler.adam keeps the moments and the update in float32.
+  tx = jmp_scaler.adam(1e-3)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert np.isfinite(np.asarray(updates["w"], np.float32)).all()
+
+
+def xent16(logits, label):
+  p = jax.nn.softmax(logits.astype(F16))  # the float16 softmax
+  return -jnp.log(p[label]).astype(F32)
+
+
+def test_a_float16_softmax_that_underflows_into_log_is_float16s_fault():
+  logits = jnp.array([0.0, 20.0])  # exp(-20) = 2e-9 < 6e-8: 0 in float16
+  r = find(xent16, logits, 0)
+  assert (r.primitive, r.finite_in_float32, r.fn_finite_in_float32) == ("log", False, True)
+  assert r.upstream.startswith("exp at ") and "underflows to 0 in float16" in r.upstream
+  assert "the float16 softmax" in LINES[int(r.upstream.split(":")[1].split()[0]) - 1]
+  assert "jax.nn.log_softmax(logits.astype(jnp.float32))" in r.advice
+  fixed = lambda z, y: -jax.nn.log_softmax(z.astype(F32))[y]  # noqa: E731 - the advice
+  assert jmp_scaler.find_nonfinite(fixed, logits, 0) is None
+
+
+def test_a_float16_matmul_that_underflows_under_autocast_names_the_matmul():
+  def fn(w, x):
+    return jnp.sum(jnp.log(x @ w))  # the log of an autocast matmul
+
+  w, x = jnp.full((2, 2), 1e-4), jnp.full((3, 2), 1e-4)  # 2e-8: 0 in float16
+  r = find(jmp_scaler.autocast(fn, POLICY), w, x)
+  assert (r.primitive, r.finite_in_float32, r.fn_finite_in_float32) == ("log", False, True)
+  assert r.upstream.startswith("dot_general at ") and "underflows to 0 in float16" in r.upstream
+  assert "rules={'dot_general': 'float32'}" in r.advice
+
+
+def test_a_function_that_fails_in_float32_too_says_so_at_both_levels():
+  assert find(log_of, jnp.ones(3)).fn_finite_in_float32 is False  # float32 throughout
+  r = find(lambda x: jnp.sum(jnp.log(x.astype(F16) - 2.0)), jnp.ones(3))  # widened: still < 0
+  assert (r.finite_in_float32, r.fn_finite_in_float32, r.upstream) == (False, False, "")
+  assert "nor is the whole function run in float32" in str(r)
+  assert "Fix the data" in r.advice

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jmp_scaler import _validation as validation
 from jmp_scaler._leaves import is_half, is_inexact_array
+from jmp_scaler.diagnostics import _upstream as U
 from jmp_scaler.diagnostics import _walk as W
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
@@ -100,6 +101,16 @@ class NonFiniteOp:
     frames: every frame of its traceback outside those packages, innermost first.
     advice: the concrete next step.
     note: anything that qualifies the verdict (empty when nothing does).
+    fn_finite_in_float32: whether the same *function* is finite there in float32: ``fn`` run
+      again with every half-precision value widened to float32 (float16 and bfloat16
+      arguments, constants, casts, an autocast policy's compute dtype, an optimizer's ``eps``)
+      gives this operation a finite result. Asked when the operation alone is not finite in
+      float32 and ``fn`` computes anything in half precision; False for a function that is
+      float32 throughout; None when not asked (the operation alone is finite in float32: a
+      range problem) or when it could not be run (``note`` says why).
+    upstream: where the two verdicts differ, the upstream operation whose half-precision
+      rounding made this operation's input (a value underflowed to 0, a constant rounded to
+      0, a value clipped), with its line; else "".
   """
 
   phase: str
@@ -117,6 +128,8 @@ class NonFiniteOp:
   frames: tuple[str, ...]
   advice: str
   note: str = ""
+  fn_finite_in_float32: bool | None = None
+  upstream: str = ""
 
   def __str__(self) -> str:
     bad = next((o for o in self.outputs if o.nan or o.inf), self.outputs[0] if self.outputs
@@ -133,6 +146,8 @@ class NonFiniteOp:
     if self.where:
       lines.append(f"  inside   {' > '.join(self.where)}")
     lines.append(f"  float32  {_verdict(self)}")
+    if self.upstream:
+      lines.append(f"  upstream {self.upstream}")
     if self.note:
       lines.append(f"  note     {self.note}")
     lines.append(f"  next     {self.advice}")
@@ -147,6 +162,11 @@ def _verdict(r: NonFiniteOp) -> str:
   if r.finite_in_float32:
     return (f"finite (largest magnitude {r.float32_max_abs:.4g}): "
             f"a {_narrow(r)} range problem, not a bug in the model")  # fmt: skip
+  if r.fn_finite_in_float32:
+    return ("the operation alone is not finite in float32 on these inputs, but the whole "
+            "function run in float32 is: half-precision rounding upstream made its input")
+  if r.fn_finite_in_float32 is False:
+    return "not finite either, nor is the whole function run in float32: not a matter of precision"
   return "not finite either: not a matter of precision"
 
 
@@ -215,7 +235,9 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
     raise ValueError("find_nonfinite runs on the host, on concrete arrays: call it outside "
                      "jax.jit (and grad, vmap, ...), with the batch and parameters of the step")
   closed, shape = jax.make_jaxpr(call.flat, return_shape=True)(*call.dynamic)
-  forward = _Search(closed, call.dynamic, call.names)
+  wide = [_widen(x) for x in call.dynamic]
+  forward = _Search(closed, call.dynamic, call.names,
+                    lambda: (jax.make_jaxpr(call.flat)(*wide), wide))
   if scale is None:
     return forward.report("forward", None)
   _check_loss(shape)
@@ -224,7 +246,10 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
   # operation, or a factor of a derivative): the forward pass alone tells which.
   diff, other = call.split_first()
   grad = jax.make_jaxpr(jax.value_and_grad(call.scaled(scale)))(diff, other)
-  backward = _Search(grad, [*diff, *other], [call.names[i] for i in (*call.first, *call.rest)])
+  wdiff, wother = [_widen(x) for x in diff], [_widen(x) for x in other]
+  backward = _Search(grad, [*diff, *other], [call.names[i] for i in (*call.first, *call.rest)],
+                     lambda: (jax.make_jaxpr(jax.value_and_grad(call.scaled(scale)))(
+                       wdiff, wother), [*wdiff, *wother]))
   if backward.path is None:
     return backward.report("backward", scale)  # None, or the inputs' error
   if not any("transpose(" in S.name_stack(e) for e in backward.eqns):
@@ -347,8 +372,10 @@ def _name(path: tuple) -> str:
 class _Search:
   """A jaxpr's first origin (:mod:`._walk`), found lazily by one compiled run."""
 
-  def __init__(self, closed: Any, args: list, names: list[str]):
+  def __init__(self, closed: Any, args: list, names: list[str],
+               retrace: Callable[[], tuple[Any, list]] | None = None):
     self.closed, self.args, self.names = closed, args, names
+    self.retrace = retrace  #: the same program traced on the arguments widened to float32
 
   @functools.cached_property
   def probed(self) -> W.Probed:
@@ -377,8 +404,75 @@ class _Search:
         f"fn's {what} holds inf/NaN, but no operation made it: it was in the inputs already "
         f"({', '.join(bad) or 'none found'}). Check the data (jmp_scaler.nonfinite_report) and "
         "the previous step.")
-    held = W.capture(self.closed, self.args, self.probed.layout, path)
-    return _report(phase, self.eqns, path, held, scale)
+    level = W.level_of(self.closed, path)
+    extra = (U.ancestors(level, path[-1].index) if self.retrace is not None
+             and self.probed.has_half else [])  # fmt: skip
+    held = W.capture(self.closed, self.args, self.eqns[-1], path, extra=extra)
+    n_in = sum(not J.is_literal(v) for v in self.eqns[-1].invars)
+    report = _report(phase, self.eqns, path, held[:n_in], scale)
+    if report.finite_in_float32 is True:
+      return report  # a range problem: nothing upstream to blame
+    if not self.probed.has_half:
+      return dataclasses.replace(report, fn_finite_in_float32=False)
+    it = iter(held[:n_in])
+    made, _ = _run(self.eqns[-1], [np.asarray(v.val) if J.is_literal(v) else next(it)
+                                   for v in self.eqns[-1].invars], widen=False)  # fmt: skip
+    bad = next((~np.isfinite(_wide(o)) for o in made or () if not W.host_finite(o)),
+               np.ones((), bool))  # fmt: skip
+    return self._function_verdict(report, level, path, extra, _split_outputs(
+      level, extra, held[n_in:]), bad)
+
+  def _function_verdict(self, report: NonFiniteOp, level: Any, path: list, extra: list,
+                        half: dict, bad: np.ndarray) -> NonFiniteOp:  # fmt: skip
+    """``report`` with the verdict about the whole function in float32 (one more compiled
+    run: :mod:`._upstream`), and the upstream culprit where the verdicts differ."""
+    try:
+      closed_b, args_b = self.retrace()
+      path_b, mapped = U.match(self.closed, path, closed_b, extra)
+      level_b = W.level_of(closed_b, path_b)
+      origin_b = level_b.eqns[path_b[-1].index]
+      extra_b = sorted(set(mapped.values()))
+      held = W.capture(closed_b, args_b, origin_b, path_b, widen=True, extra=extra_b)
+      n_in = sum(not J.is_literal(v) for v in origin_b.invars)
+      it = iter(held[:n_in])
+      inputs = [np.asarray(v.val) if J.is_literal(v) else next(it) for v in origin_b.invars]
+      outs, why = _run(origin_b, inputs, widen=True)
+      if outs is None:
+        raise RuntimeError(why)
+    except Exception as e:  # noqa: BLE001 - any failure is reported in the note, never hidden
+      first = str(e).splitlines()[0] if str(e) else ""
+      note = (f"the whole function could not be run again in float32 ({type(e).__name__}: "
+              f"{first}), so whether float16's rounding upstream made this input is unknown")
+      return dataclasses.replace(report, note="; ".join(filter(None, [report.note, note])))
+    if not all(W.host_finite(o) for o in outs):
+      return dataclasses.replace(report, fn_finite_in_float32=False)
+    wide = _split_outputs(level_b, extra_b, held[n_in:])
+    culprit = U.find_culprit(level, level_b, extra, mapped, half, wide,
+                             (path[-1].index, path_b[-1].index), bad)  # fmt: skip
+    if culprit is None:
+      advice = (f"the same function in float32 is finite: half-precision rounding upstream made "
+                f"this {report.primitive}'s input, in an operation find_nonfinite could not "
+                f"name. Compute the code before {report.source} in float32, or run "
+                "jmp_scaler.compare_precision to see where the two runs part")  # fmt: skip
+      return dataclasses.replace(report, fn_finite_in_float32=True, advice=advice)
+    found = _frames(culprit.eqn)
+    where = found[0] if found else report.source
+    advice = U.culprit_advice(culprit, where, report.primitive, report.phase, report.scale,
+                              "transpose(" in S.name_stack(culprit.eqn),
+                              report.autocast)  # fmt: skip
+    return dataclasses.replace(report, fn_finite_in_float32=True, advice=advice,
+                               upstream=f"{culprit.name} at {where}: {culprit.detail}")
+
+
+def _split_outputs(level: Any, indices: list, values: list) -> dict[int, list]:
+  """The captured outputs ``values`` of the equations ``indices`` of ``level``, by index."""
+  it = iter(values)
+  return {i: [next(it) for _ in level.eqns[i].outvars] for i in indices}
+
+
+def _widen(x: Any) -> Any:
+  """A half-precision array as float32, anything else as it is."""
+  return jnp.asarray(x, jnp.float32) if is_half(np.asarray(x).dtype) else x
 
 
 def _report(phase: str, eqns: list, path: list, held: list, scale: float | None) -> NonFiniteOp:

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jmp_scaler._leaves import is_floating
+from jmp_scaler._leaves import is_floating, is_half
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat import _types as T
@@ -303,6 +303,7 @@ class _Probe:
 
   def __init__(self):
     self.axes: tuple = ()  #: the manual mesh axes of the shard_map bodies around the level
+    self.half = False  #: whether a value in a half-precision dtype was seen
 
   def run(self, closed: Any, args: Sequence[Any], known: Sequence[Any] | None = None,
           consts: Sequence[Any] | None = None) -> Level:
@@ -331,6 +332,8 @@ class _Probe:
     for i, eqn in enumerate(jaxpr.eqns):
       ins = [read(v) for v in eqn.invars]
       in_slots = [slot_of(v) for v in eqn.invars]
+      self.half = self.half or any(is_half(getattr(v.aval, "dtype", np.int32))
+                                   for v in (*eqn.invars, *eqn.outvars))  # fmt: skip
       name = eqn.primitive.name
       body = P.inline_body(eqn)
       if body is not None:
@@ -542,6 +545,7 @@ class Probed(NamedTuple):
   record: np.ndarray
   outputs_finite: list[bool]
   inputs_finite: list[bool]  #: the jaxpr's constants, then its inputs
+  has_half: bool  #: whether any value of the program is float16, bfloat16 or fp8
 
 
 def probe(closed: Any, args: Sequence[Any]) -> Probed:
@@ -551,42 +555,103 @@ def probe(closed: Any, args: Sequence[Any]) -> Probed:
   seen: dict = {}
 
   def program(consts, args):
-    level = _Probe().run(closed, args, consts=consts)
-    seen["layout"] = level.layout
+    interp = _Probe()
+    level = interp.run(closed, args, consts=consts)
+    seen["layout"], seen["half"] = level.layout, interp.half
     in_fin = [jnp.asarray(finite(x)) for x in (*consts, *args)]
     return level.record, [jnp.asarray(f) for f in level.finite], in_fin
 
   rec, out_fin, in_fin = jax.device_get(_compiled(program, list(closed.consts), list(args)))
   return Probed(seen["layout"], np.asarray(rec), [bool(f) for f in out_fin],
-                [bool(f) for f in in_fin])
+                [bool(f) for f in in_fin], seen["half"])
 
 
 # ---------------------------------------------------------------- the capture
 
 
-class _Capture:
-  """Evaluates jaxprs and returns the inputs of the equation at the end of a path."""
+def _widen_value(x: Any) -> Any:
+  """``x`` as float32 if it is a half-precision floating value (float16, bfloat16, fp8)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not is_half(dtype):
+    return x
+  return x.astype(jnp.float32) if isinstance(x, jax.Array) else np.asarray(x, np.float32)
 
-  def __init__(self, n_held: int):
-    self.n_held = n_held  #: the origin's inputs that are not literals
+
+class _Capture:
+  """Evaluates jaxprs and returns the inputs of the equation at the end of a path (and the
+  outputs of the equations ``extra`` of its level, after them).
+
+  With ``widen``, every half-precision value (arguments, constants, literals, results) is
+  float32 instead: a cast to float16 is a cast to float32, a matmul's preferred type float32,
+  a ``reduce_precision`` to float16's bits a no-op (:func:`P.float32_params`), and loops and
+  calls are evaluated by this interpreter so that their bodies are widened too. With
+  ``keep``, the outputs of the equations ``keep`` accepts, outside loops (calls inlined), are
+  appended to ``kept`` as ``(equation, outputs)``.
+  """
+
+  def __init__(self, n_held: int, widen: bool = False, extra: Sequence[int] = (),
+               keep: Callable[[Any], bool] | None = None):
+    self.n_held = n_held  #: the origin's inputs that are not literals, and the extra outputs
+    self.widen, self.extra, self.keep = widen, tuple(extra), keep
+    self.kept: list = []
+    self.loops = 0  #: how many loop bodies the evaluation is inside
+
+  def _read(self, v: Any, env: dict) -> Any:
+    x = J.read_literal(v, env)
+    return _widen_value(x) if self.widen and J.is_literal(v) else x
+
+  def _eval(self, eqn: Any, ins: list) -> list:
+    """``eqn`` evaluated on ``ins``: bound as it is, or by this interpreter when widening or
+    keeping values."""
+    body = P.inline_body(eqn)
+    if body is not None and (self.widen or self.keep is not None):
+      return self.run(body, ins, [])[0]
+    name = eqn.primitive.name
+    if not self.widen:
+      outs = J.bind(eqn, ins)
+    elif name in ("scan", "while", "cond", "shard_map"):
+      self.loops += 1
+      try:
+        if name == "scan":
+          outs = self._scan(eqn, ins, None, [])[0]
+        elif name == "while":
+          outs = self._while(eqn, ins, None, [])[0]
+        elif name == "cond":
+          outs = self._cond(eqn, ins, None, [])[0]
+        else:
+          outs = self._shard_map(eqn, ins, None, [])[0]
+      finally:
+        self.loops -= 1
+    else:
+      outs = J.bind(eqn, ins, P.float32_params(eqn))
+    if self.keep is not None and not self.loops and self.keep(eqn):
+      self.kept.append((eqn, outs))
+    return outs
+
+  def eval_closed(self, closed: Any, args: Sequence[Any]) -> list:
+    return self.run(closed, args, [])[0]
 
   def run(self, closed: Any, args: Sequence[Any], path: Sequence[Step],
           consts: Sequence[Any] | None = None) -> tuple[list, list]:
     closed = J.closed(closed)
     jaxpr = closed.jaxpr
     consts = closed.consts if consts is None else consts
+    if self.widen:
+      consts, args = [_widen_value(x) for x in consts], [_widen_value(x) for x in args]
     env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    read = lambda v: J.read_literal(v, env)  # noqa: E731
-    step, rest = path[0], path[1:]
+    step, rest = (path[0], path[1:]) if path else (None, [])
     captured: list = []
+    extra: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
-      ins = [read(v) for v in eqn.invars]
-      if i != step.index:
-        outs = J.bind(eqn, ins)
+      ins = [self._read(v, env) for v in eqn.invars]
+      if step is None or i != step.index:
+        outs = self._eval(eqn, ins)
+        if step is not None and step.kind == "op" and i in self.extra:
+          extra[i] = outs
       elif step.kind == "op":
         captured = [x for x, v in zip(ins, eqn.invars, strict=True) if not J.is_literal(v)]
-        outs = J.bind(eqn, ins)
+        outs = self._eval(eqn, ins)
       elif step.kind == "call":
         outs, captured = self.run(P.inline_body(eqn), ins, rest)
       elif step.kind == "scan":
@@ -598,13 +663,17 @@ class _Capture:
       else:
         outs, captured = self._shard_map(eqn, ins, step.at, rest)
       env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars], captured
+    for i in self.extra if step is not None and step.kind == "op" else ():
+      captured = [*captured, *extra[i]]
+    return [self._read(v, env) for v in jaxpr.outvars], captured
 
   def _scan(self, eqn, args, at, rest):
     p = P.scan(eqn)
     consts, init, xs = args[: p.num_consts], args[p.num_consts :][: p.num_carry], args[
       p.num_consts + p.num_carry :]
     n = p.num_carry
+    if self.widen:
+      consts, init, xs = ([_widen_value(x) for x in part] for part in (consts, init, xs))
     raw = lambda carry, row: self.run(p.body, [*consts, *carry, *row], rest)  # noqa: E731
     like = jax.eval_shape(raw, _structs(init), [T.row_struct(x) for x in xs])[1]
 
@@ -624,27 +693,30 @@ class _Capture:
   def _while(self, eqn, args, step, rest):
     p = P.while_loop(eqn)
     nc, nb = p.cond_nconsts, p.body_nconsts
+    if self.widen:
+      args = [_widen_value(x) for x in args]
     cconsts, bconsts, init = args[:nc], args[nc : nc + nb], list(args[nc + nb :])
-    if step.kind == "while_cond0":
-      return J.bind(eqn, args), self.run(p.cond, [*cconsts, *init], rest)[1]
-    in_body = step.kind == "while_body"
+    if step is not None and step.kind == "while_cond0":
+      return self._while(eqn, args, None, [])[0], self.run(p.cond, [*cconsts, *init], rest)[1]
+    in_body = step is None or step.kind == "while_body"
 
     def iteration(carry):
       if in_body:
         return self.run(p.body, [*bconsts, *carry], rest)
-      outs = J.run_closed(p.body)(*bconsts, *carry)
+      outs = self.eval_closed(p.body, [*bconsts, *carry])
       return outs, self.run(p.cond, [*cconsts, *outs], rest)[1]
 
     like = jax.eval_shape(lambda c: iteration(c)[1], _structs(init))
+    at = None if step is None else step.at
 
     def body_fun(state):
       carry, count, held = state
       outs, now = iteration(carry)
-      held = [jnp.where(count == step.at, a, b) for a, b in zip(now, held, strict=True)]
+      held = [jnp.where(count == at, a, b) for a, b in zip(now, held, strict=True)]
       return outs, count + 1, held
 
     def cond_fun(state):
-      return J.run_closed(p.cond)(*cconsts, *state[0])[0]
+      return self.eval_closed(p.cond, [*cconsts, *state[0]])[0]
 
     outs, _, held = lax.while_loop(cond_fun, body_fun,
                                    (init, jnp.int32(0), [_zeros(s) for s in like]))
@@ -652,14 +724,16 @@ class _Capture:
 
   def _cond(self, eqn, args, at, rest):
     index, ops = args[0], list(args[1:])
+    if self.widen:
+      ops = [_widen_value(x) for x in ops]
     branches = P.cond_branches(eqn)
     target = lambda *xs: self.run(branches[at], xs, rest)  # noqa: E731
-    like = jax.eval_shape(target, *_structs(ops))[1]
+    like = jax.eval_shape(target, *_structs(ops))[1] if at is not None else []
 
     def make(b):
       if b == at:
         return target
-      return lambda *xs: (J.run_closed(branches[b])(*xs), [_zeros(s) for s in like])
+      return lambda *xs: (self.eval_closed(branches[b], xs), [_zeros(s) for s in like])
 
     outs, held = lax.switch(index, [make(b) for b in range(len(branches))], *ops)
     return list(outs), held
@@ -667,6 +741,9 @@ class _Capture:
   def _shard_map(self, eqn, args, at, rest):
     p = P.shard_map(eqn)
     axes = _manual_axes(p)
+    n_held = self.n_held if rest else 0
+    if self.widen:
+      args = [_widen_value(x) for x in args]
 
     def body(*xs):
       outs, held = self.run(p.body, xs, rest)
@@ -674,20 +751,65 @@ class _Capture:
       return (*outs, *[_on_device(h, at, here, axes) for h in held])
 
     n_out = len(eqn.outvars)
-    out_specs = (*p.out_specs, *([PartitionSpec()] * self.n_held))
+    out_specs = (*p.out_specs, *([PartitionSpec()] * n_held))
     outs = jax.shard_map(body, mesh=p.mesh, in_specs=p.in_specs, out_specs=out_specs,
                          axis_names=p.axis_names, check_vma=p.check_vma)(*args)  # fmt: skip
     return list(outs[:n_out]), list(outs[n_out:])
 
 
-def capture(closed: Any, args: Sequence[Any], layout: Layout, path: Sequence[Step]) -> list:
-  """The inputs (literals left out) of the equation at the end of ``path`` (in ``layout``,
-  :func:`probe`'s), from one compiled run of ``closed`` on ``args``."""
+def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step],
+            widen: bool = False, extra: Sequence[int] = ()) -> list:
+  """The inputs (literals left out) of ``origin``, the equation at the end of ``path``, then
+  the outputs of the equations ``extra`` of its level, from one compiled run of ``closed`` on
+  ``args``; with ``widen``, every half-precision value computed in float32 instead."""
   closed = J.closed(closed)
-  origin = equations(layout, path)[-1]
-  n_held = sum(not J.is_literal(v) for v in origin.invars)
+  level = level_of(closed, path)
+  n_held = sum(not J.is_literal(v) for v in origin.invars) + sum(
+    len(level.eqns[i].outvars) for i in extra)
 
   def program(consts, args):
-    return _Capture(n_held).run(closed, args, path, consts)[1]
+    return _Capture(n_held, widen, extra).run(closed, args, path, consts)[1]
 
   return jax.device_get(_compiled(program, list(closed.consts), list(args)))
+
+
+def evaluate(closed: Any, args: Sequence[Any], widen: bool,
+             keep: Callable[[Any], bool]) -> tuple[list, list]:
+  """``closed`` evaluated on ``args`` in one compiled run (``widen``: every half-precision
+  value in float32): its outputs, and the outputs of every equation ``keep`` accepts outside
+  loops (calls inlined), in program order."""
+  closed = J.closed(closed)
+  seen: list = []
+
+  def program(consts, args):
+    interp = _Capture(0, widen, keep=keep)
+    outs = interp.run(closed, args, [], consts)[0]
+    seen[:] = [eqn for eqn, _ in interp.kept]
+    return outs, [o for _, o in interp.kept]
+
+  outs, kept = jax.device_get(_compiled(program, list(closed.consts), list(args)))
+  return outs, list(zip(seen, kept, strict=True))
+
+
+def sub_jaxpr(eqn: Any, step: Step) -> Any:
+  """The closed body ``step`` enters at ``eqn`` (a call, a loop's body or condition, a
+  branch, a shard_map's body)."""
+  if step.kind == "call":
+    return P.inline_body(eqn)
+  if step.kind == "scan":
+    return P.scan(eqn).body
+  if step.kind == "while_body":
+    return P.while_loop(eqn).body
+  if step.kind in ("while_cond0", "while_cond"):
+    return P.while_loop(eqn).cond
+  if step.kind == "cond":
+    return P.cond_branches(eqn)[step.at]
+  return P.shard_map(eqn).body
+
+
+def level_of(closed: Any, path: Sequence[Step]) -> Any:
+  """The (open) jaxpr holding the equation at the end of ``path``."""
+  jaxpr = J.closed(closed).jaxpr
+  for step in path[:-1]:
+    jaxpr = J.closed(sub_jaxpr(jaxpr.eqns[step.index], step)).jaxpr
+  return jaxpr
