@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -21,10 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import is_half, is_inexact_array
+from jmp_scaler._leaves import is_half
+from jmp_scaler.diagnostics import _call as C
 from jmp_scaler.diagnostics import _upstream as U
 from jmp_scaler.diagnostics import _walk as W
 from jmp_scaler.jaxcompat import _jaxpr as J
@@ -34,10 +32,6 @@ from jmp_scaler.jaxcompat import _types as T
 from jmp_scaler.precision._autocast import AUTOCAST_MARK, FULL_PRECISION_MARK
 from jmp_scaler.precision._rules import DEFAULT_RULES
 
-#: The name scope of the scale multiply ``loss.astype(float32) * scale`` of the backward pass.
-SCALE_SCOPE = "jmp_find_nonfinite.scale"
-#: The packages whose frames ``source`` skips, to name the user's line.
-LIBRARIES = ("jax", "flax", "optax", "equinox", "jmp_scaler")
 #: Primitives that have no real value for some inputs (NaN in any precision).
 _DOMAIN = {"log": 0.0, "sqrt": 0.0, "rsqrt": 0.0, "log1p": -1.0, "pow": 0.0, "acosh": 1.0}
 
@@ -230,7 +224,7 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
   if not callable(fn):
     raise ValueError(f"fn must be callable, got {fn!r}")
   scale = _check_scale(scale)
-  call = _Call(fn, args, kwargs)
+  call = C.Call(fn, args, kwargs)
   if any(T.is_traced(x) for x in call.dynamic):
     raise ValueError("find_nonfinite runs on the host, on concrete arrays: call it outside "
                      "jax.jit (and grad, vmap, ...), with the batch and parameters of the step")
@@ -275,95 +269,6 @@ def _check_loss(shape: Any) -> None:
 
 
 # ---------------------------------------------------------------- arguments
-
-
-@jax.tree_util.register_pytree_node_class
-class _Module:
-  """An NNX module as its graph (static), its ``nnx.Param`` state and the rest of its state."""
-
-  def __init__(self, graphdef: Any, params: Any, rest: Any):
-    self.graphdef, self.params, self.rest = graphdef, params, rest
-
-  def tree_flatten(self):
-    return (self.params, self.rest), self.graphdef
-
-  @classmethod
-  def tree_unflatten(cls, graphdef, children):
-    return cls(graphdef, *children)
-
-  def merge(self) -> Any:
-    return nnx.merge(self.graphdef, self.params, self.rest)
-
-
-def _split(x: Any) -> Any:
-  if isinstance(x, nnx.Module):
-    return _Module(*nnx.split(x, nnx.Param, ...))
-  return x
-
-
-def _merge(x: Any) -> Any:
-  return x.merge() if isinstance(x, _Module) else x
-
-
-class _Call:
-  """``fn(*args, **kwargs)`` as a function of its array leaves (NNX modules split first)."""
-
-  def __init__(self, fn: Any, args: tuple, kwargs: dict):
-    parts = (_split(fn), tuple(_split(a) for a in args), {k: _split(v) for k, v in kwargs.items()})
-    with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(parts)
-    leaves = [x for _, x in with_paths]
-    self.mask = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
-    self.static = [None if m else x for x, m in zip(leaves, self.mask, strict=True)]
-    self.dynamic = [x for x, m in zip(leaves, self.mask, strict=True) if m]
-    self.names = [_name(p) for (p, _), m in zip(with_paths, self.mask, strict=True) if m]
-    # The dynamic inexact leaves of the first argument (of an NNX module: its nnx.Param
-    # leaves): the ones jmp_scaler.value_and_grad differentiates.
-    n_fn = len(jax.tree.leaves(parts[0]))
-    first = parts[1][0].params if args and isinstance(parts[1][0], _Module) else (
-      parts[1][0] if args else ())
-    n_first = len(jax.tree.leaves(first))
-    dyn_index = np.cumsum(self.mask) - 1
-    self.first = [int(dyn_index[i]) for i in range(n_fn, n_fn + n_first)
-                  if is_inexact_array(leaves[i])]
-    self.rest = [i for i in range(len(self.dynamic)) if i not in set(self.first)]
-    self.has_args = bool(args)
-
-  def flat(self, *dynamic: Any) -> Any:
-    it = iter(dynamic)
-    leaves = [next(it) if m else s for m, s in zip(self.mask, self.static, strict=True)]
-    fn, args, kwargs = jax.tree.unflatten(self.treedef, leaves)
-    fn = _merge(fn)
-    return fn(*[_merge(a) for a in args], **{k: _merge(v) for k, v in kwargs.items()})
-
-  def split_first(self) -> tuple[list, list]:
-    if not self.has_args:
-      raise ValueError("with scale, fn needs a first positional argument to differentiate")
-    if not self.first:
-      raise ValueError("with scale, the first argument of fn must hold floating arrays (the "
-                       "parameters to differentiate), it holds none")
-    return [self.dynamic[i] for i in self.first], [self.dynamic[i] for i in self.rest]
-
-  def scaled(self, scale: float) -> Callable:
-    def loss(diff, other):
-      dynamic = [None] * len(self.dynamic)
-      for i, x in zip(self.first, diff, strict=True):
-        dynamic[i] = x
-      for i, x in zip(self.rest, other, strict=True):
-        dynamic[i] = x
-      out = jax.tree.leaves(self.flat(*dynamic))[0]
-      with jax.named_scope(SCALE_SCOPE):  # as jmp_scaler.value_and_grad: in float32
-        return jnp.asarray(out).astype(jnp.float32) * jnp.float32(scale)
-
-    return loss
-
-
-def _name(path: tuple) -> str:
-  head, tail = path[0].idx, path[1:]
-  if head == 0:
-    return "fn" + jax.tree_util.keystr(tail)
-  if head == 1:
-    return f"args[{tail[0].idx}]" + jax.tree_util.keystr(tail[1:])
-  return f"kwargs[{tail[0].key!r}]" + jax.tree_util.keystr(tail[1:])
 
 
 # ---------------------------------------------------------------- the search
@@ -455,7 +360,7 @@ class _Search:
                 f"name. Compute the code before {report.source} in float32, or run "
                 "jmp_scaler.compare_precision to see where the two runs part")  # fmt: skip
       return dataclasses.replace(report, fn_finite_in_float32=True, advice=advice)
-    found = _frames(culprit.eqn)
+    found = C.user_lines(culprit.eqn)
     where = found[0] if found else report.source
     advice = U.culprit_advice(culprit, where, report.primitive, report.phase, report.scale,
                               "transpose(" in S.name_stack(culprit.eqn),
@@ -507,10 +412,10 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
     sizes = [ValueInfo.of(o).max_abs for o in wide if np.asarray(o).size]
     max32 = max([m for m in sizes if not math.isnan(m)], default=float("nan"))
   where, policy, region = _context(eqns, path)
-  frames = _frames(eqn)
+  frames = C.user_lines(eqn)
   if not frames:  # inside a library's jitted function: the line that called it
-    frames = next((f for f in map(_frames, reversed(eqns[:-1])) if f), [])
-  in_scale = SCALE_SCOPE in S.name_stack(eqn)
+    frames = next((f for f in map(C.user_lines, reversed(eqns[:-1])) if f), [])
+  in_scale = C.SCALE_SCOPE in S.name_stack(eqn)
   source = frames[0] if frames else _library_source(eqn)
   if in_scale:
     source = "the loss's cast to float32 before find_nonfinite's scale multiply"
@@ -554,27 +459,8 @@ def _library_source(eqn: Any) -> str:
   layer, called directly): the first frame outside jax and jmp_scaler, or JAX's summary."""
   mine = [sys.modules[name] for name in ("jax", "jmp_scaler")]
   found = S.user_frames(eqn, mine)
-  where = _relative(str(found[0])) if found else S.summarize(eqn)
+  where = C.relative(str(found[0])) if found else S.summarize(eqn)
   return f"{where} (a library's line: fn calls no code of yours around it)"
-
-
-def _frames(eqn: Any) -> list[str]:
-  """The frames of ``eqn``'s traceback outside :data:`LIBRARIES` (those imported), innermost
-  first, their files relative to the working directory when under it."""
-  found = S.user_frames(eqn, [sys.modules[name] for name in LIBRARIES if name in sys.modules])
-  return [_relative(str(f)) for f in found]
-
-
-def _relative(where: str) -> str:
-  """``"file:line (function)"`` with ``file`` relative to the working directory if under it."""
-  m = re.match(r"(.*)(:\d+(:\d+)? \(.*\))$", where)
-  if not m:
-    return where
-  try:
-    rel = os.path.relpath(m.group(1))
-  except ValueError:  # another drive
-    return where
-  return where if rel.startswith(os.pardir) else rel + m.group(2)
 
 
 def _context(eqns: list, path: list) -> tuple[tuple[str, ...], str | None, bool]:
