@@ -12,7 +12,7 @@ try:  # pinning a layout: XLA:CPU's choice for a weight gradient costs every rea
   from jax.experimental.layout import Layout as _Layout
   from jax.experimental.layout import with_layout_constraint as _with_layout_constraint
 except ImportError:  # pragma: no cover - a jax without the API keeps XLA's layouts
-  _Layout = _with_layout_constraint = None
+  _Layout = _with_layout_constraint = None  # type: ignore[misc, assignment]
 
 FLOAT32 = np.dtype(jnp.float32)
 

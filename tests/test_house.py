@@ -25,7 +25,7 @@ def test_the_concepts_are_wings_and_no_wing_imports_a_wing_above_it():
   assert house.upward_imports(graph) == []
   # Every wing but the ground floor's is a folder whose rooms are private modules.
   for name in wings - {house.GROUND}:
-    assert (ROOT / "jmp_scaler" / name / "__init__.py").is_file()
+    assert (house.PACKAGE / name / "__init__.py").is_file()
   assert all(m.rpartition(".")[2].startswith("_") for m in graph)
 
 

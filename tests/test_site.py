@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import tomllib
 
@@ -46,9 +47,8 @@ def test_every_public_name_has_one_entry_in_the_api_reference():
 
 def test_the_api_pages_hold_no_python_block_and_every_wing_has_its_page():
   pages = {p.stem for p in (DOCS / "api").glob("*.md")}
-  wings = {p.name for p in (ROOT / "jmp_scaler").iterdir() if p.is_dir() and
-           (p / "__init__.py").exists()} - {"jaxcompat"}  # JAX's internals: nothing public
-  wings = {"precision" if w == "precision" else w for w in wings}
+  package = pathlib.Path(jmp_scaler.__file__).parent
+  wings = {p.name for p in package.iterdir() if (p / "__init__.py").exists()} - {"jaxcompat"}
   assert wings <= pages, wings - pages
   for p in (DOCS / "api").glob("*.md"):
     assert "```python" not in p.read_text(), p  # tests/_docs.py runs python blocks
@@ -70,6 +70,19 @@ def test_the_version_is_written_once():
   assert dynamic == {"attr": "jmp_scaler.__version__"}
   assert re.fullmatch(r"\d+\.\d+\.\d+", jmp_scaler.__version__)
   assert importlib.metadata.version("jmp_scaler") == jmp_scaler.__version__
+
+
+def test_jmp_scaler_is_imported_from_the_wheel_ci_installed():
+  """.ci/run's wheel step runs the fast suite from a copy of the tree without jmp_scaler/,
+  against the wheel installed in a fresh venv (JMP_SCALER_EXPECT_WHEEL=1)."""
+  if not os.environ.get("JMP_SCALER_EXPECT_WHEEL"):
+    pytest.skip("only in .ci/run's wheel step (JMP_SCALER_EXPECT_WHEEL=1)")
+  package = pathlib.Path(jmp_scaler.__file__).resolve().parent
+  assert package.parent == pathlib.Path(sysconfig.get_paths()["purelib"]).resolve(), package
+  assert not (ROOT / "jmp_scaler" / "__init__.py").exists(), "the tests run inside a source tree"
+  direct_url = importlib.metadata.distribution("jmp_scaler").read_text("direct_url.json") or ""
+  assert '"editable": true' not in direct_url and ".whl" in direct_url, direct_url
+  assert (package / "py.typed").is_file()
 
 
 def test_the_license_is_the_apache_2_0_text_pyproject_declares():

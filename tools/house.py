@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import pathlib
 import sys
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jmp_scaler"
+# The jmp_scaler that Python imports: the source tree (editable install) or an installed wheel.
+PACKAGE = pathlib.Path(importlib.util.find_spec("jmp_scaler").origin).parent
 GROUND = ""
 
 #: Each wing's floor: a wing imports only from wings on a lower floor (and itself).

@@ -30,7 +30,7 @@ def _host(x: Any) -> np.ndarray:
   return np.asarray(x.get_value() if isinstance(x, nnx.Variable) else x)
 
 
-def reconcile(saved, target, mode: Mismatch, where: str) -> dict[str, Any]:
+def reconcile(saved, target, mode: Mismatch, where: str) -> dict[tuple[str, ...], Any]:
   """Checks one restored scaler state against the target's; returns the
   leaves to write (possibly none)."""
   scale = _host(saved.scale)
@@ -77,7 +77,7 @@ def reconcile(saved, target, mode: Mismatch, where: str) -> dict[str, Any]:
   return {}
 
 
-def _write(lss: LossScaleState, changes: dict[tuple, Any]) -> LossScaleState:
+def _write(lss: LossScaleState, changes: dict[tuple[str, ...], Any]) -> LossScaleState:
   """``lss`` (pure arrays) with ``changes`` applied, dtypes kept."""
   config = lss.config.replace(**{
       k[1]: jnp.asarray(v, getattr(lss.config, k[1]).dtype)

@@ -43,7 +43,7 @@ def mark_varying(x: jax.Array, axes: tuple) -> jax.Array:
     return x
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, axes, to="varying")
-  return jax.lax.pvary(x, axes)
+  return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # jax < 0.12 only
 
 
 def struct(x: Any, dtype: Any = None, weak: bool = False) -> jax.ShapeDtypeStruct:

@@ -112,7 +112,7 @@ class ScaleByAdamState(NamedTuple):
     nu: second moments, in ``nu_dtype``.
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's field name, over tuple.count
   mu: Any
   nu: Any
 

@@ -70,7 +70,8 @@ def _global_index(shape: tuple[int, ...], spec: Any) -> jax.Array:
   """
   entries = tuple(spec) if spec is not None else ()
   entries = entries + (None,) * (len(shape) - len(entries))
-  global_shape, offsets = [], []
+  global_shape: list[int] = []
+  offsets: list[Any] = []
   for size, axes in zip(shape, entries, strict=True):
     if axes is None:
       global_shape.append(size)
@@ -210,7 +211,7 @@ class StochasticRoundState(NamedTuple):
       seed, it picks the random bits of the next update.
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's field name, over tuple.count
 
 
 def stochastic_round(seed: int = 0, *, param_specs: Any = None) -> optax.GradientTransformation:
