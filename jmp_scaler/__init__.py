@@ -89,6 +89,9 @@ from jmp_scaler.checkpoint._restore_check import check_restored as check_restore
 
 # Diagnostics.
 from jmp_scaler.diagnostics._nonfinite import NonFiniteReport as NonFiniteReport
+from jmp_scaler.diagnostics._compare import LayerError as LayerError
+from jmp_scaler.diagnostics._compare import PrecisionComparison as PrecisionComparison
+from jmp_scaler.diagnostics._compare import compare_precision as compare_precision
 from jmp_scaler.diagnostics._find import NonFiniteOp as NonFiniteOp
 from jmp_scaler.diagnostics._find import find_nonfinite as find_nonfinite
 from jmp_scaler.diagnostics._nonfinite import nonfinite_report as nonfinite_report
@@ -108,6 +111,7 @@ __all__ = (
     "Fp8Recipe",
     "KahanState",
     "LINEN_FLOAT32_MODULES",
+    "LayerError",
     "LossScaleState",
     "LossScaler",
     "NNXOptimizer",
@@ -115,6 +119,7 @@ __all__ = (
     "NonFiniteOp",
     "NonFiniteReport",
     "Policy",
+    "PrecisionComparison",
     "ScaleByAdamState",
     "ScaleConfig",
     "ScaleMonitor",
@@ -131,6 +136,7 @@ __all__ = (
     "autocast_nnx",
     "check_axis_name",
     "check_restored",
+    "compare_precision",
     "default_policy",
     "dynamic_scale",
     "find_nonfinite",

@@ -67,6 +67,8 @@ class Call:
     self.static = [None if m else x for x, m in zip(leaves, self.mask, strict=True)]
     self.dynamic = [x for x, m in zip(leaves, self.mask, strict=True) if m]
     self.names = [leaf_name(p) for (p, _), m in zip(with_paths, self.mask, strict=True) if m]
+    #: each dynamic leaf's key path in ``(fn, args, kwargs)``
+    self.paths = [p for (p, _), m in zip(with_paths, self.mask, strict=True) if m]
     # The dynamic inexact leaves of the first argument (of an NNX module: its nnx.Param
     # leaves): the ones jmp_scaler.value_and_grad differentiates.
     n_fn = len(jax.tree.leaves(parts[0]))
@@ -94,14 +96,18 @@ class Call:
                        "parameters to differentiate), it holds none")
     return [self.dynamic[i] for i in self.first], [self.dynamic[i] for i in self.rest]
 
-  def scaled(self, scale: float) -> Callable:
+  def scaled(self, scale: float, flat: Callable | None = None) -> Callable:
+    """``loss(diff, other)``: the first argument's floating leaves and the other leaves to
+    ``fn(...)`` (or ``flat(*leaves)``) as float32 times ``scale``."""
+    flat = self.flat if flat is None else flat
+
     def loss(diff, other):
       dynamic = [None] * len(self.dynamic)
       for i, x in zip(self.first, diff, strict=True):
         dynamic[i] = x
       for i, x in zip(self.rest, other, strict=True):
         dynamic[i] = x
-      out = jax.tree.leaves(self.flat(*dynamic))[0]
+      out = jax.tree.leaves(flat(*dynamic))[0]
       with jax.named_scope(SCALE_SCOPE):  # as jmp_scaler.value_and_grad: in float32
         return jnp.asarray(out).astype(jnp.float32) * jnp.float32(scale)
 

@@ -773,22 +773,23 @@ def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step],
   return jax.device_get(_compiled(program, list(closed.consts), list(args)))
 
 
-def evaluate(closed: Any, args: Sequence[Any], widen: bool,
-             keep: Callable[[Any], bool]) -> tuple[list, list]:
-  """``closed`` evaluated on ``args`` in one compiled run (``widen``: every half-precision
-  value in float32): its outputs, and the outputs of every equation ``keep`` accepts outside
-  loops (calls inlined), in program order."""
-  closed = J.closed(closed)
-  seen: list = []
+def evaluate(programs: Sequence[tuple[Any, Sequence[Any], Callable[[Any], bool]]],
+             widen: bool) -> list[tuple[list, list]]:
+  """Each ``(closed, args, keep)`` of ``programs`` evaluated, all in one compiled run (with
+  ``widen``, every half-precision value in float32): for each, its outputs and the outputs of
+  the equations ``keep`` accepts outside loops (calls inlined), in program order."""
+  programs = [(J.closed(c), list(a), k) for c, a, k in programs]
 
-  def program(consts, args):
-    interp = _Capture(0, widen, keep=keep)
-    outs = interp.run(closed, args, [], consts)[0]
-    seen[:] = [eqn for eqn, _ in interp.kept]
-    return outs, [o for _, o in interp.kept]
+  def program(all_consts, all_args):
+    results = []
+    for (closed, _, keep), consts, args in zip(programs, all_consts, all_args, strict=True):
+      interp = _Capture(0, widen, keep=keep)
+      outs = interp.run(closed, args, [], consts)[0]
+      results.append((outs, [o for _, o in interp.kept]))
+    return results
 
-  outs, kept = jax.device_get(_compiled(program, list(closed.consts), list(args)))
-  return outs, list(zip(seen, kept, strict=True))
+  return jax.device_get(_compiled(program, [list(c.consts) for c, _, _ in programs],
+                                  [a for _, a, _ in programs]))  # fmt: skip
 
 
 def sub_jaxpr(eqn: Any, step: Step) -> Any:

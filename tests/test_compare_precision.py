@@ -1,0 +1,175 @@
+"""jmp_scaler.compare_precision: the float32 baseline, layer by layer (issue 37).
+
+A model with one deliberately fragile layer (its weights shifted by 1000 before a float16
+matmul and the shift subtracted after: float16 rounds the weights away) must be named as the
+layer where the error jumps; flax linen module paths, NNX and equinox attribute paths and the
+user's lines name the layers; the gradient columns are the half run's against float32's.
+"""
+
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_scaler
+
+F16, F32 = jnp.float16, jnp.float32
+POLICY = "p=f32,c=f16,o=f32"
+HERE = pathlib.Path(__file__).resolve()
+LINES = HERE.read_text().splitlines()
+
+
+class Fragile(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(0.1), (x.shape[-1], x.shape[-1]))
+    return x @ (w + 1000.0) - jnp.sum(x, -1, keepdims=True) * 1000.0  # w + 1000: w is lost
+
+
+class Net(nn.Module):
+  fragile: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16, name="embed")(x))
+    if self.fragile:
+      x = Fragile(name="fragile")(x)
+    x = nn.relu(nn.Dense(16, name="hidden")(x))
+    return nn.Dense(4, name="head")(x)
+
+
+X = jax.random.normal(jax.random.key(1), (8, 8))
+
+
+def linen_loss(params, x, fragile=True):
+  return jnp.mean(Net(fragile).apply(params, x) ** 2)
+
+
+@pytest.fixture(scope="module")
+def fragile_report():
+  params = Net().init(jax.random.key(0), X)
+  return jmp_scaler.compare_precision(linen_loss, params, X, policy=POLICY)
+
+
+def test_the_fragile_layer_is_where_the_error_jumps(fragile_report):
+  r = fragile_report
+  assert r.jump == "fragile"
+  names = [row.name for row in r.layers]
+  assert {"embed", "fragile", "hidden", "head"} <= set(names)
+  assert names.index("embed") < names.index("fragile") < names.index("hidden")
+  embed, fragile = r.layer("embed"), r.layer("fragile")
+  assert embed.activation_error < 3e-3  # float16's rounding, no more
+  assert fragile.activation_error > 100 * embed.activation_error
+  assert fragile.gradient_error is not None and fragile.size == 16 * 16
+  assert r.layer("head").gradient_error > 0.1  # the damage reaches the gradients downstream
+  assert r.policy == POLICY and r.dtype == "float16" and r.scale == 1.0
+  assert abs(r.loss - float(linen_loss(Net().init(jax.random.key(0), X), X))) < 1e-5
+  text = str(r)
+  row = next(line for line in text.splitlines() if line.strip().startswith("fragile"))
+  assert row.endswith("<- the error jumps here") and "first jump: fragile" in text
+  with pytest.raises(KeyError, match="no layer 'nope'"):
+    r.layer("nope")
+
+
+def test_without_the_fragile_layer_no_error_jumps():
+  params = Net(False).init(jax.random.key(0), X)
+  r = jmp_scaler.compare_precision(linen_loss, params, X, False, policy=POLICY)
+  assert r.jump is None and "no layer's error jumps" in str(r)
+  assert all(row.activation_error < 1e-2 for row in r.layers)
+  assert all(row.gradient_error < 1e-2 for row in r.layers if row.gradient_error is not None)
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+    self.fc2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(nnx.relu(self.fc1(x)))
+
+
+def nnx_loss(model, x):
+  return jnp.mean(model(x) ** 2)
+
+
+def test_nnx_attribute_paths_and_the_underflow_at_a_small_scale():
+  model = NNXNet(nnx.Rngs(0))
+  r = jmp_scaler.compare_precision(nnx_loss, model, X, policy=POLICY, scale=2.0**-30)
+  fc1, fc2 = r.layer("fc1"), r.layer("fc2")
+  assert fc1.size == 8 * 16 + 16 and fc2.size == 16 * 4 + 4
+  # At scale 2^-30 the float32 gradients (1e-4 to 1e-1) are below float16's 6e-8: they flush
+  # to 0, and the half run's gradients are lost with them.
+  assert fc1.underflow > 0.9 and fc2.underflow > 0.9
+  assert fc1.gradient_error > 0.9
+  assert type(model.fc1) is nnx.Linear  # the model itself is left as it was
+  r1 = jmp_scaler.compare_precision(nnx_loss, model, X, policy=POLICY)
+  assert r1.layer("fc1").underflow == 0.0 and r1.layer("fc1").gradient_error < 1e-2
+
+
+def test_equinox_attribute_paths():
+  eqx = pytest.importorskip("equinox")
+
+  class Stack(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.layers = [eqx.nn.Linear(8, 16, key=k1), eqx.nn.Linear(16, 4, key=k2)]
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = jnp.tanh(layer(x))
+      return x
+
+  model = Stack(jax.random.key(0))
+  r = jmp_scaler.compare_precision(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), model, X,
+                                   policy=POLICY)  # fmt: skip
+  assert r.layer("layers.0").size == 8 * 16 + 16 and r.layer("layers.1").size == 16 * 4 + 4
+  assert r.layer("layers.0").activation_error < 1e-2
+  assert type(model.layers[0]) is eqx.nn.Linear
+
+
+def plain(w, x):
+  h = jnp.tanh(x.astype(F16) @ w["a"].astype(F16))  # a float16 layer
+  s = h @ (w["b"] + 100.0).astype(F16) - jnp.sum(h, -1, keepdims=True) * 100.0  # cancellation
+  return jnp.mean(s.astype(F32) ** 2)
+
+
+def comment(name):
+  """The comment of the line of this file a layer ``name`` ("file:LINE (function)") names."""
+  path, _, line = name.partition(" (")[0].rpartition(":")
+  assert pathlib.Path(path).resolve() == HERE, name
+  return LINES[int(line) - 1].partition("#")[2].strip()
+
+
+def test_a_plain_function_as_given_names_its_lines():
+  w = {"a": jnp.full((8, 4), 0.01), "b": jnp.full((4, 4), 0.01)}  # 100.01 is 100 in float16
+  r = jmp_scaler.compare_precision(plain, w, X)  # no policy: fn runs as written
+  assert r.policy is None and r.dtype == "float16"
+  lines = {comment(row.name): row for row in r.layers}
+  assert lines["cancellation"].activation_error > 10 * lines[
+    "a float16 layer"].activation_error
+  assert comment(r.jump) == "cancellation"
+
+
+def test_bad_input_is_refused_at_the_call():
+  w = {"a": jnp.ones((8, 4)), "b": jnp.ones((4, 4))}
+  with pytest.raises(ValueError, match="fn must be callable, got 3"):
+    jmp_scaler.compare_precision(3, w, X)
+  with pytest.raises(ValueError, match="policy must be a jmp_scaler.Policy"):
+    jmp_scaler.compare_precision(plain, w, X, policy=jnp.float16)
+  with pytest.raises(ValueError, match="^scale must be positive"):
+    jmp_scaler.compare_precision(plain, w, X, scale=0.0)
+  with pytest.raises(ValueError, match="jump_factor must be a number above 1, got 1"):
+    jmp_scaler.compare_precision(plain, w, X, jump_factor=1)
+  with pytest.raises(ValueError, match="fn must return a floating scalar loss"):
+    jmp_scaler.compare_precision(lambda w, x: x @ w["a"], w, X)
+  with pytest.raises(ValueError, match="first argument of fn must hold floating arrays"):
+    jmp_scaler.compare_precision(lambda n, x: jnp.sum(x), 3, X)
+  with pytest.raises(ValueError, match="call it outside jax.jit"):
+    jax.jit(lambda x: jmp_scaler.compare_precision(plain, w, x))(X)
+  assert np.isfinite(plain(w, X))
