@@ -86,6 +86,8 @@ class PrecisionComparison:
     dtype: the half dtype of the underflow column.
     scale: the loss scale of the half run's backward pass and of the underflow column.
     jump_factor: see ``jump``.
+    note: what qualifies the baseline: the operations of the half run with a body of their own
+      (a scatter-add's update function) that the float32 run computes in their half dtype.
   """
 
   layers: tuple[LayerError, ...]
@@ -96,6 +98,7 @@ class PrecisionComparison:
   dtype: str
   scale: float
   jump_factor: float
+  note: str = ""
 
   def layer(self, name: str) -> LayerError:
     """The row of layer ``name``; raises KeyError naming the layers if there is none."""
@@ -125,6 +128,8 @@ class PrecisionComparison:
     else:
       lines.append(f"first jump: {self.jump}; underflow: the share of the float32 gradient that "
                    f"is 0 in {self.dtype} at scale {self.scale:g}")  # fmt: skip
+    if self.note:
+      lines.append(f"note: {self.note}")
     return "\n".join(lines)
 
 
@@ -337,10 +342,12 @@ def compare_precision(fn: Callable[..., Any], *args: Any, policy: Policy | str |
     count = iter(range(len(flat_eqns)))
     return lambda eqn: next(count) in wanted
 
-  runs = []
+  runs, narrow = [], set()
   for widen in (False, True):
-    runs.append(W.evaluate([(forward, call.dynamic, keeper()),
-                            (grad, [*diff, *other], lambda eqn: False)], widen))  # fmt: skip
+    results, stayed = W.evaluate([(forward, call.dynamic, keeper()),
+                                  (grad, [*diff, *other], lambda eqn: False)], widen)  # fmt: skip
+    runs.append(results)
+    narrow |= stayed
   (h_out, h_kept), (h_grads, _) = runs[0]  # the gradients of the first argument's leaves
   (w_out, w_kept), (w_grads, _) = runs[1]
   rows: dict[str, dict] = {}
@@ -377,7 +384,9 @@ def compare_precision(fn: Callable[..., Any], *args: Any, policy: Policy | str |
     layers=layers, jump=_jump(layers, eps, jump_factor),
     loss=float(np.asarray(w_out[0])), loss_half=float(np.asarray(h_out[0])),
     policy=None if policy is None else _policy_text(policy), dtype=str(half_dtype),
-    scale=scale, jump_factor=float(jump_factor))
+    scale=scale, jump_factor=float(jump_factor),
+    note=(f"in the float32 run, {', '.join(sorted(narrow))} stayed in {half_dtype} (an operation "
+          "with a body of its own)" if narrow else ""))
 
 
 def _is_activation(v: Any) -> bool:

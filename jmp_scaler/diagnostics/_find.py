@@ -337,7 +337,7 @@ class _Search:
       level_b = W.level_of(closed_b, path_b)
       origin_b = level_b.eqns[path_b[-1].index]
       extra_b = sorted(set(mapped.values()))
-      held = W.capture(closed_b, args_b, origin_b, path_b, widen=True, extra=extra_b)
+      held, narrow = W.capture(closed_b, args_b, origin_b, path_b, widen=True, extra=extra_b)
       n_in = sum(not J.is_literal(v) for v in origin_b.invars)
       it = iter(held[:n_in])
       inputs = [np.asarray(v.val) if J.is_literal(v) else next(it) for v in origin_b.invars]
@@ -349,6 +349,10 @@ class _Search:
       note = (f"the whole function could not be run again in float32 ({type(e).__name__}: "
               f"{first}), so whether float16's rounding upstream made this input is unknown")
       return dataclasses.replace(report, note="; ".join(filter(None, [report.note, note])))
+    if narrow:
+      note = (f"in the float32 run, {', '.join(sorted(narrow))} stayed in half precision (an "
+              "operation with a body of its own)")
+      report = dataclasses.replace(report, note="; ".join(filter(None, [report.note, note])))
     if not all(W.host_finite(o) for o in outs):
       return dataclasses.replace(report, fn_finite_in_float32=False)
     wide = _split_outputs(level_b, extra_b, held[n_in:])

@@ -595,6 +595,9 @@ class _Capture:
     self.widen, self.extra, self.keep = widen, tuple(extra), keep
     self.kept: list = []
     self.loops = 0  #: how many loop bodies the evaluation is inside
+    #: the primitives that have a body of their own (a scatter-add's update function, a
+    #: custom reduction), computed in their own dtype even when widening
+    self.narrow: set[str] = set()
 
   def _read(self, v: Any, env: dict) -> Any:
     x = J.read_literal(v, env)
@@ -622,6 +625,12 @@ class _Capture:
           outs = self._shard_map(eqn, ins, None, [])[0]
       finally:
         self.loops -= 1
+    elif J.has_sub_jaxprs(eqn):  # its body is typed for its dtypes: compute it in them
+      self.narrow.add(name)
+      like = [getattr(v.aval, "dtype", None) for v in eqn.invars]
+      narrow = [x.astype(d) if d is not None and is_half(d) else x
+                for x, d in zip(ins, like, strict=True)]  # fmt: skip
+      outs = [_widen_value(o) for o in J.bind(eqn, narrow)]
     else:
       outs = J.bind(eqn, ins, P.float32_params(eqn))
     if self.keep is not None and not self.loops and self.keep(eqn):
@@ -761,24 +770,33 @@ def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step],
             widen: bool = False, extra: Sequence[int] = ()) -> list:
   """The inputs (literals left out) of ``origin``, the equation at the end of ``path``, then
   the outputs of the equations ``extra`` of its level, from one compiled run of ``closed`` on
-  ``args``; with ``widen``, every half-precision value computed in float32 instead."""
+  ``args``; with ``widen``, every half-precision value computed in float32 instead, and then
+  ``(values, the primitives that stayed in half precision)``."""
   closed = J.closed(closed)
   level = level_of(closed, path)
   n_held = sum(not J.is_literal(v) for v in origin.invars) + sum(
     len(level.eqns[i].outvars) for i in extra)
 
-  def program(consts, args):
-    return _Capture(n_held, widen, extra).run(closed, args, path, consts)[1]
+  narrow: set[str] = set()
 
-  return jax.device_get(_compiled(program, list(closed.consts), list(args)))
+  def program(consts, args):
+    interp = _Capture(n_held, widen, extra)
+    held = interp.run(closed, args, path, consts)[1]
+    narrow.update(interp.narrow)
+    return held
+
+  held = jax.device_get(_compiled(program, list(closed.consts), list(args)))
+  return (held, narrow) if widen else held
 
 
 def evaluate(programs: Sequence[tuple[Any, Sequence[Any], Callable[[Any], bool]]],
-             widen: bool) -> list[tuple[list, list]]:
+             widen: bool) -> tuple[list[tuple[list, list]], set[str]]:
   """Each ``(closed, args, keep)`` of ``programs`` evaluated, all in one compiled run (with
   ``widen``, every half-precision value in float32): for each, its outputs and the outputs of
-  the equations ``keep`` accepts outside loops (calls inlined), in program order."""
+  the equations ``keep`` accepts outside loops (calls inlined), in program order; and the
+  primitives that stayed in half precision (a body of their own: :class:`_Capture`)."""
   programs = [(J.closed(c), list(a), k) for c, a, k in programs]
+  narrow: set[str] = set()
 
   def program(all_consts, all_args):
     results = []
@@ -786,10 +804,12 @@ def evaluate(programs: Sequence[tuple[Any, Sequence[Any], Callable[[Any], bool]]
       interp = _Capture(0, widen, keep=keep)
       outs = interp.run(closed, args, [], consts)[0]
       results.append((outs, [o for _, o in interp.kept]))
+      narrow.update(interp.narrow)
     return results
 
-  return jax.device_get(_compiled(program, [list(c.consts) for c, _, _ in programs],
-                                  [a for _, a, _ in programs]))  # fmt: skip
+  results = jax.device_get(_compiled(program, [list(c.consts) for c, _, _ in programs],
+                                     [a for _, a, _ in programs]))  # fmt: skip
+  return results, narrow
 
 
 def sub_jaxpr(eqn: Any, step: Step) -> Any:
