@@ -7,6 +7,8 @@ user's lines name the layers; the gradient columns are the half run's against fl
 """
 
 import pathlib
+import runpy
+import sys
 
 import flax.linen as nn
 import jax
@@ -173,3 +175,35 @@ def test_bad_input_is_refused_at_the_call():
   with pytest.raises(ValueError, match="call it outside jax.jit"):
     jax.jit(lambda x: jmp_scaler.compare_precision(plain, w, x))(X)
   assert np.isfinite(plain(w, X))
+
+
+# ---------------------------------------------------------------- the example and the benchmark
+
+
+ROOT = HERE.parents[1]
+
+
+@pytest.mark.slow
+def test_the_example_names_the_shifted_layer_and_plots_it(capsys, tmp_path):
+  example = runpy.run_path(str(ROOT / "examples" / "compare_precision.py"))
+  assert example["main"](["--steps", "3", "--plot", str(tmp_path / "c.png")]) == 0
+  out = capsys.readouterr().out
+  assert "first jump: shifted" in out
+  assert "with the shifted layer in float32 (jmp_scaler.full_precision): the error jumps at None" \
+    in out  # fmt: skip
+  assert f"plot: {tmp_path / 'c.png'}" in out and (tmp_path / "c.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_compare_quick_times_compare_against_the_budget(capsys):
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "bench_compare.py"))
+  finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
+  assert bench["main"](["--quick", "--models", "cnn"]) == 0
+  out = capsys.readouterr().out
+  compare = next(line.split() for line in out.splitlines() if line.split()[:1] == ["compare"])
+  seconds, to_step, to_budget = map(float, compare[1:])
+  assert seconds > 0 and to_step > 0 and 0 < to_budget < 1.5  # within the budget, with noise
+  assert "CNN: 10 layers" in out
