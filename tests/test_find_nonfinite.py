@@ -424,3 +424,16 @@ def test_a_function_that_fails_in_float32_too_says_so_at_both_levels():
   assert (r.finite_in_float32, r.fn_finite_in_float32, r.upstream) == (False, False, "")
   assert "nor is the whole function run in float32" in str(r)
   assert "Fix the data" in r.advice
+
+
+def test_the_float32_run_widens_loops_too():
+  def fn(x):
+    def body(c, _):
+      return c * jnp.float16(0.01), None  # the decaying carry
+
+    c, _ = lax.scan(body, x.astype(F16), None, length=5)  # 1e-10: 0 in float16
+    return jnp.sum(jnp.log(c.astype(F32)))
+
+  r = find(fn, jnp.ones(2))
+  assert (r.primitive, r.finite_in_float32, r.fn_finite_in_float32) == ("log", False, True)
+  assert r.upstream.startswith("scan at ") and "underflows to 0 in float16" in r.upstream
