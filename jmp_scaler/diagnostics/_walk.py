@@ -767,7 +767,7 @@ class _Capture:
 
 
 def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step],
-            widen: bool = False, extra: Sequence[int] = ()) -> list:
+            widen: bool = False, extra: Sequence[int] = ()) -> list | tuple[list, set[str]]:
   """The inputs (literals left out) of ``origin``, the equation at the end of ``path``, then
   the outputs of the equations ``extra`` of its level, from one compiled run of ``closed`` on
   ``args``; with ``widen``, every half-precision value computed in float32 instead, and then
