@@ -30,6 +30,7 @@ from jmp_scaler.jaxcompat import _source as S
 from jmp_scaler.lowbit._fp8 import Fp8Recipe, Unsupported, fp8_dot_general
 from jmp_scaler.precision import _rules as R
 from jmp_scaler.precision._casts import NONE, Planner
+from jmp_scaler.precision._composites import Finder
 from jmp_scaler.precision._modules import as_policy
 from jmp_scaler.precision._policy import Policy
 
@@ -44,9 +45,11 @@ _MARKS = (AUTOCAST_MARK, FULL_PRECISION_MARK)
 
 
 def _is_weak(var: Any) -> bool:
-  """Scalar literals (``x * 0.5``) and weakly typed values do not drive promotion."""
+  """Scalars (``x * 0.5``, a 0-d array: PyTorch's zero-dim tensors) and weakly typed values
+  do not drive promotion when a dimensioned value is there (``x16 / jnp.sqrt(d)`` is
+  float16, as ``x16 / torch.tensor(8.)`` is in PyTorch)."""
   aval = var.aval
-  return (J.is_literal(var) and not aval.shape) or bool(getattr(aval, "weak_type", False))
+  return not aval.shape or bool(getattr(aval, "weak_type", False))
 
 
 def _all_fp8(args: Sequence[Any]) -> bool:
@@ -75,9 +78,12 @@ class _Interpreter:
   """Evaluates jaxprs under a policy and a rule table (see :mod:`._casts` for the plan)."""
 
   def __init__(self, policy: Policy, table: Mapping[str, str], given: frozenset[str],
-               recipe: Fp8Recipe):  # fmt: skip
+               recipe: Fp8Recipe, composites: Mapping[str, str] | None = None,
+               own: frozenset[str] = frozenset()):  # fmt: skip
     self.policy, self.table, self.recipe = policy, table, recipe
-    self.planner = Planner(table, self._body_of, given)
+    self._in_activation = False
+    finder = Finder(composites or {}, own)
+    self.planner = Planner(table, self._body_of, given, finder)
 
   @staticmethod
   def _body_of(eqn: Any) -> Any:
@@ -107,16 +113,76 @@ class _Interpreter:
         casts[key] = (x, R.cast(x, dtype))
       return casts[key][1]
 
+    inside: set[int] = set()  # the later members of an activation's run of equations
     for i, eqn in enumerate(closed.jaxpr.eqns):
+      if i in inside:
+        continue
+      if (group := plan.groups.get(i)) is not None and not self._in_activation:
+        inside.update(group.members[1:])
+        with S.user_context(eqn):
+          outs = self._activation(closed.jaxpr, group, [read(v) for v in group.inputs],
+                                  i in plan.float32)  # fmt: skip
+        env.update(zip(group.outputs, outs, strict=True))
+        continue
       args_i = [read(v) for v in eqn.invars]
       with S.user_context(eqn):
         if i in plan.round_trips:
           outs = args_i  # the end of a round trip: the value stays as autocast computed it
+        elif i in plan.bias_adds and i not in plan.float32:
+          outs = self._bias_add(eqn, args_i, plan.bias_adds[i], cast)
         else:
           rule = R.FLOAT32 if i in plan.float32 else None
           outs = self.apply(eqn, args_i, cast, rule, plan.widened, plan.calls_fed.get(i))
       env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in closed.jaxpr.outvars]
+
+  def _activation(self, jaxpr: Any, group: Any, args: list, float32: bool) -> list:
+    """An activation's equations as one op (:mod:`._composites`).
+
+    The inputs keep their dtypes; the widest floating one (scalars not counted), or float32
+    where the results feed float32 ops, is the results' dtype. Inside ``jax.checkpoint`` the
+    equations run in float32 (or wider: float64 stays), whatever dtypes they were traced
+    with, so the backward pass saves the inputs only and recomputes the rest in float32.
+    """
+    eqns = [jaxpr.eqns[j] for j in group.members]
+    floats = [(a.dtype, _is_weak(v)) for v, a in zip(group.inputs, args, strict=True)
+              if is_real_floating(a)]  # fmt: skip
+    rule = R.FLOAT32 if float32 or group.rule == R.FLOAT32 else R.PROMOTE
+    target = (R.TARGETS[rule](self.policy.compute_dtype, *map(list, zip(*floats, strict=True)))
+              if floats else None)  # fmt: skip
+
+    up = lambda x: R.cast(x, R.widest([FLOAT32, x.dtype])) if is_real_floating(x) else x  # noqa
+
+    def body(*xs):
+      env = {v: up(x) for v, x in zip(group.inputs, xs, strict=True)}
+      self._in_activation = True  # the calls inside (silu's jit) are part of this one op
+      try:
+        for eqn in eqns:
+          with S.user_context(eqn):
+            outs = self.apply(eqn, [J.read_literal(v, env) for v in eqn.invars], R.cast,
+                              R.FLOAT32, {}, None)  # fmt: skip
+          env.update(zip(eqn.outvars, outs, strict=True))
+      finally:
+        self._in_activation = False
+      return [env[v] for v in group.outputs]
+
+    outs = jax.checkpoint(body)(*args)
+    narrow = lambda o: is_real_floating(o) and np.dtype(o.dtype).itemsize <= 4  # noqa: E731
+    return [R.cast(o, target) if target is not None and narrow(o) else o for o in outs]
+
+  def _bias_add(self, eqn: Any, args: list, k: int, cast: Callable) -> list:
+    """A matmul's result plus a broadcast bias, in the matmul's dtype (``torch.nn.Linear``'s
+    ``addmm``); a wider bias (float64) is not narrowed: the add promotes then.
+
+    The bias is broadcast to the result's shape before it is cast, so its gradient (the
+    sum of the half-precision cotangents over the broadcast dimensions) is summed in the
+    bias's own dtype, as cuBLAS's bias gradient accumulates in float32.
+    """
+    dtype, bias = args[k].dtype, args[1 - k]
+    if np.dtype(bias.dtype).itemsize > max(4, np.dtype(dtype).itemsize):
+      return self._bind(eqn, *self._cast(eqn, args, R.PROMOTE, cast))
+    bias = cast(jnp.broadcast_to(bias, args[k].shape), dtype)
+    return self._bind(eqn, [bias if j != k else a for j, a in enumerate(args)], eqn.params)
 
   def transform(self, closed: Any, args: Sequence[Any], *plan_args) -> Any:
     """``closed`` rewritten for inputs shaped like ``args``."""
@@ -369,13 +435,13 @@ def autocast(
   if policy is None:
     raise ValueError("policy must be a jmp_scaler.Policy or a policy string, got None")
   policy = as_policy("policy", policy)
-  table, recipe = R.rule_table(rules)
+  table, recipe, composites, own = R.rule_table(rules)
   if fun is None:
     return functools.partial(autocast, policy=policy, rules=rules)
   if not callable(fun):
     raise ValueError(f"fun must be callable, got {fun!r}")
-  given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {}))
-  interp = _Interpreter(policy, table, given, recipe)
+  given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {})) - own
+  interp = _Interpreter(policy, table, given, recipe, composites, own)
 
   def body(static, *dyn):
     def flat(*xs):
@@ -387,6 +453,12 @@ def autocast(
     fed = (np.dtype(policy.output_dtype).itemsize >= 4,) * len(closed.jaxpr.outvars)
     outs = interp.run(closed, dyn, None, fed)
     outs = [R.cast_output(o, policy.output_dtype) for o in outs]
+    unseen = sorted(own - interp.planner.finder.matched)
+    if unseen:
+      warnings.warn(
+        f"jmp_scaler.autocast: rules names the function(s) {unseen} ('activation'), but "
+        f"{_fun_name(fun)} calls no function of that name: check the spelling (the "
+        "function's __name__); those ops are decided one by one", UserWarning, stacklevel=2)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
   return _named_jit(body, fun, f"{AUTOCAST_MARK}[{policy}]({_fun_name(fun)})")

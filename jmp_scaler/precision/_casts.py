@@ -18,6 +18,13 @@ it decides two things, from the dtypes it was traced with:
   of ``addcmul``, the scaling of attention scores before the softmax. Uses with no
   floating result (comparisons) do not count; data movement (``reshape``,
   ``broadcast_in_dim``, ``select_n``, ...) passes the use on without being cast.
+
+It also finds two kinds of ops that are one op to ``torch.autocast`` but several in a
+jaxpr: activation functions (:mod:`._composites`: each call is one op, in its input's
+dtype) and **bias adds**: the ``add`` of a matmul's result (through data movement) and a
+vector broadcast to its shape (a Dense or Conv layer's bias: ``torch.nn.Linear``'s ``addmm``
+adds it in the compute dtype) runs in the matmul's dtype, not promoted to the float32 of
+the stored bias.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import numpy as np
 from jmp_scaler._leaves import is_half
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.precision import _rules as R
+from jmp_scaler.precision._composites import Finder, Group
 
 NONE: frozenset = frozenset()
 
@@ -47,6 +55,9 @@ class Plan:
     widened: value -> the half dtypes it was computed from by widening.
     feeds_float32: for each input, whether only float32 ops use it.
     calls_fed: index of a call-like equation -> which of its outputs only float32 ops use.
+    groups: the first member's index -> each activation's :class:`~._composites.Group`; it
+      runs in float32 if its first member is in ``float32`` (its results feed float32 ops).
+    bias_adds: index of a bias add -> which of its inputs is the matmul's result.
   """
 
   float32: frozenset[int]
@@ -54,6 +65,8 @@ class Plan:
   widened: Mapping[Any, frozenset]
   feeds_float32: tuple[bool, ...]
   calls_fed: Mapping[int, tuple[bool, ...]]
+  groups: Mapping[int, Group] = dataclasses.field(default_factory=dict)
+  bias_adds: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def _floating(v: Any) -> bool:
@@ -68,16 +81,25 @@ def _is_convert(eqn: Any) -> bool:
   return eqn.primitive.name == "convert_element_type"
 
 
+def _vector(v: Any) -> bool:
+  """A non-literal value with at most one dimension longer than 1 (a bias, a scale)."""
+  return not J.is_literal(v) and sum(d != 1 for d in v.aval.shape) <= 1
+
+
 class Planner:
   """Plans jaxprs under a rule table; the plans of shared bodies (jnp's jits) are cached."""
 
   def __init__(self, table: Mapping[str, str], body_of: Callable[[Any], Any],
-               given: frozenset[str] = frozenset()):  # fmt: skip
+               given: frozenset[str] = frozenset(), finder: Finder | None = None):  # fmt: skip
     """``given``: the primitives the user gave a rule; they are never run in float32 for
-    feeding float32 ops (``rules={"mul": "promote"}`` switches that off for ``mul``)."""
-    self.table, self.body_of, self.given = table, body_of, given
+    feeding float32 ops (``rules={"mul": "promote"}`` switches that off for ``mul``).
+    ``finder``: the activations' finder (none: every primitive decided alone)."""
+    self.table, self.given = table, given
+    self.finder = finder or Finder({})
+    self.body_of = lambda eqn: None if self.finder.jit_composite(eqn) else body_of(eqn)
     self._trips: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    self._bias: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def rule(self, eqn: Any) -> str:
     rule = self.table.get(eqn.primitive.name)
@@ -98,7 +120,10 @@ class Planner:
     if fed_out not in fed:
       fed[fed_out] = self._float32_fed(jaxpr, fed_out)
     (round_trips, widened), (float32, feeds, calls) = trips[widened_in], fed[fed_out]
-    return Plan(float32, round_trips, widened, feeds, calls)
+    if jaxpr not in self._bias:
+      self._bias[jaxpr] = self._bias_adds(jaxpr)
+    groups = self.finder.groups(jaxpr)
+    return Plan(float32, round_trips, widened, feeds, calls, groups, self._bias[jaxpr])
 
   # -------------------------------------------------------------- round trips
 
@@ -135,6 +160,40 @@ class Planner:
       return NONE  # narrowed as written
     return ins
 
+  # -------------------------------------------------------------- bias adds
+
+  def _bias_adds(self, jaxpr: Any) -> dict[int, int]:
+    """Each ``add`` of a matmul's result and a broadcast vector -> the matmul operand's index.
+
+    A matmul's result stays one through data movement (``reshape``, ``transpose``, ...); a
+    bias is a value of rank 0 or 1 (after dropping unit dimensions) broadcast to the other
+    operand's shape, through data movement and casts. An attention mask (rank 2) is not one.
+    """
+    matmul: set[Any] = set()
+    small: set[Any] = set()  # values that are a broadcast vector (or the vector itself)
+    found = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      name = eqn.primitive.name
+      ins = [v for v in eqn.invars if not J.is_literal(v)]
+      if self.rule(eqn) in R.MATMUL:
+        matmul.update(eqn.outvars)
+      elif name in R.MOVES and len(eqn.outvars) == 1 and ins:
+        if ins[0] in matmul and name != "broadcast_in_dim":
+          matmul.add(eqn.outvars[0])
+        if ins[0] in small or (name in ("broadcast_in_dim", "reshape")
+                               and _vector(eqn.invars[0])):  # fmt: skip
+          small.add(eqn.outvars[0])
+      elif _is_convert(eqn) and ins and ins[0] in small:
+        small.add(eqn.outvars[0])
+      elif name == "add" and len(ins) == 2 and all(_floating(v) for v in ins):
+        a, b = ins
+        shape = eqn.outvars[0].aval.shape
+        for k, (m, s) in enumerate(((a, b), (b, a))):
+          if m in matmul and m.aval.shape == shape and s in small and len(shape) >= 1:
+            found[i] = k
+            break
+    return found
+
   # -------------------------------------------------------------- float32-fed ops
 
   def _float32_fed(self, jaxpr: Any, fed_out: tuple[bool, ...]) -> tuple:
@@ -148,12 +207,16 @@ class Planner:
       if not J.is_literal(v):
         returned[v] = returned.get(v, True) and f
     float32: set[int] = set()
+    groups = self.finder.groups(jaxpr)
+    group_of = {i: g for g in groups.values() for i in g.members}
     moves: set[int] = set()  # data movement whose result only float32 ops use
     calls_in: dict[int, tuple[bool, ...]] = {}  # which inputs of a call only float32 ops use
     calls_out: dict[int, tuple[bool, ...]] = {}
 
     def uses_in_float32(i: int, k: int) -> bool | None:  # None: no floating result
       eqn = jaxpr.eqns[i]
+      if i in group_of:  # an activation: one op, float32 if its results feed float32 ops
+        return group_of[i].members[0] in float32
       if not any(_floating(v) for v in eqn.outvars):
         return None
       if i in float32 or i in moves or self.rule(eqn) == R.FLOAT32:
@@ -172,6 +235,13 @@ class Planner:
 
     for i in reversed(range(len(jaxpr.eqns))):
       eqn = jaxpr.eqns[i]
+      if i in group_of:
+        g = group_of[i]
+        if i == g.members[-1]:  # every use of its results comes later: decided already
+          floats = [v for v in g.outputs if _floating(v)]
+          if g.rule == R.FLOAT32 or (floats and all(fed(v) for v in floats)):
+            float32.add(g.members[0])
+        continue
       if (body := self.body_of(eqn)) is not None:
         calls_out[i] = tuple(fed(v) for v in eqn.outvars)
         calls_in[i] = self.plan(body, fed_out=calls_out[i]).feeds_float32

@@ -43,6 +43,7 @@ from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat._jaxpr import Primitive
 from jmp_scaler.jaxcompat._types import row_struct, struct
 from jmp_scaler.lowbit._fp8 import Fp8Recipe
+from jmp_scaler.precision._composites import ACTIVATION, COMPOSITE_RULES, DEFAULT_COMPOSITES
 
 COMPUTE, FLOAT32, PROMOTE, RECIPROCAL = "compute", "float32", "promote", "reciprocal"
 ORIGINAL, KEEP, FP8 = "original", "keep", "fp8"
@@ -86,33 +87,52 @@ MOVES = frozenset((
   "dynamic_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n",
 ))  # fmt: skip
 
-#: The default rule table: primitive name -> rule. Every primitive not listed
-#: follows ``"promote"``.
+#: The default rule table: primitive name -> rule (every primitive not listed follows
+#: ``"promote"``), and activation function name -> ``"activation"`` (:mod:`._composites`).
 DEFAULT_RULES: dict[str, str] = {
   **dict.fromkeys(_COMPUTE_OPS, COMPUTE),
   **dict.fromkeys(_FLOAT32_OPS, FLOAT32),
   **dict.fromkeys(_ORIGINAL_OPS, ORIGINAL),
   "div": RECIPROCAL,
+  **DEFAULT_COMPOSITES,
 }
 
 
-def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe]:
-  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it,
-  and the recipe of the ``"fp8"`` rule (``Fp8Recipe()`` unless a recipe is the rule).
+def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe, dict[str, str], frozenset[str]]:
+  """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it:
+  the primitives' table, the recipe of the ``"fp8"`` rule (``Fp8Recipe()`` unless a recipe
+  is the rule), the composites' table (function name -> rule) and the names of the
+  functions the user gave a rule.
 
-  A name must be that of a primitive JAX (or any loaded module) defines; a primitive
-  object is accepted as it is, so a primitive of your own needs no registration. The
-  ``"fp8"`` rule (or an ``Fp8Recipe``) is accepted for ``dot_general`` only.
+  A name must be that of a primitive JAX (or any loaded module) defines, of one of jax.nn's
+  activations (``"activation"``, ``"float32"`` or ``"primitives"``), or of a function of
+  the user's given ``"activation"``; a
+  primitive object is accepted as it is, so a primitive of your own needs no registration.
+  The ``"fp8"`` rule (or an ``Fp8Recipe``) is accepted for ``dot_general`` only.
   """
-  table, recipe = dict(DEFAULT_RULES), Fp8Recipe()
+  table = {k: v for k, v in DEFAULT_RULES.items() if k not in DEFAULT_COMPOSITES}
+  composites, own, recipe = dict(DEFAULT_COMPOSITES), set(), Fp8Recipe()
   if rules is None:
-    return table, recipe
+    return table, recipe, composites, frozenset()
   if not isinstance(rules, dict):
     raise ValueError(f"rules must be a dict from primitive (or its name) to a rule, got {rules!r}")
   for key, rule in rules.items():
+    if isinstance(key, str) and (key in DEFAULT_COMPOSITES or (
+        rule == ACTIVATION and key not in known_primitives())):  # fmt: skip
+      if rule not in COMPOSITE_RULES:
+        raise ValueError(
+          f"rules[{key!r}] names a function (an activation decided as one op), whose rule "
+          f"must be one of {COMPOSITE_RULES}, got {rule!r}")
+      composites[key] = rule
+      own.add(key)
+      continue
     if isinstance(key, str):
       name = key
       _check_known(name)
+      if rule == ACTIVATION:
+        raise ValueError(
+          f"rules[{name!r}] is 'activation', which applies to functions (jax.nn.gelu, your "
+          "own activation by its __name__), not to primitives")
     elif isinstance(key, Primitive):
       name = key.name
     else:
@@ -127,7 +147,7 @@ def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe]:
         f"rules[{name!r}] is 'fp8', which applies to {' and '.join(FP8_OPS)} only: "
         "convolutions and other ops stay in the compute dtype (docs/fp8.md)")
     table[name] = rule
-  return table, recipe
+  return table, recipe, composites, frozenset(own)
 
 
 def known_primitives() -> set[str]:

@@ -1,0 +1,149 @@
+"""Activation functions that :func:`autocast` decides as one op, as ``torch.autocast`` does.
+
+torch.autocast runs ``gelu``, ``silu``, ``relu``, ``elu``, ``mish``, ... as single ops in
+their input's dtype: a float16 activation gives a float16 result, computed by a kernel that
+does its arithmetic in float32, and the backward pass recomputes from the saved input. In a
+jaxpr they are compositions of primitives (``jax.nn.gelu`` is ``integer_pow``, ``mul``,
+``add``, ``tanh``), and ``integer_pow`` or ``logistic`` is on the float32 list: decided
+primitive by primitive, the hidden activation of an MLP would be widened to float32 right
+after its matmul and saved for the backward pass five times in float32.
+
+A composite is recognised in the jaxpr
+
+* as a ``jit`` equation with its name (``jax.nn.silu``, ``elu``, ``mish``, ... are jitted
+  functions; a ``custom_jvp`` whose body is one such ``jit``, as ``jax.nn.relu``);
+* as the run of consecutive equations traced inside one call of the function (``jax.nn.gelu``
+  and ``jax.nn.sigmoid`` are inlined: their equations carry the function's frame in their
+  source information).
+
+Under the ``"activation"`` rule the composite runs as one op: its floating inputs keep the
+dtype autocast gave them (the widest of them is the result's dtype), its body is evaluated at
+the dtypes it was traced with (float32 for float32 code: the kernel's float32 arithmetic)
+under ``jax.checkpoint``, so the backward pass saves the half-precision input only and
+recomputes the rest, and its floating results are rounded to that dtype. Flax's and
+equinox's activations are ``jax.nn``'s. A function of your own gets the rule by name:
+``rules={"my_act": "activation"}`` (its ``__name__``; jitted, or called from your code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from jmp_scaler.jaxcompat import _jaxpr as J
+from jmp_scaler.jaxcompat import _primitives as P
+from jmp_scaler.jaxcompat import _source as S
+
+ACTIVATION = "activation"
+#: The rules a composite's name may be given: one op in its input's dtype, one op in
+#: float32, or decided primitive by primitive.
+COMPOSITE_RULES = (ACTIVATION, "float32", "primitives")
+
+#: jax.nn's activations that torch.autocast runs in their input's dtype (flax.linen's and
+#: equinox's are these functions). ``sigmoid``, ``softplus`` and ``log_sigmoid`` are not here:
+#: torch lists softplus as float32, and ``logistic`` is float32 here (docs/autocast.md).
+DEFAULT_COMPOSITES: dict[str, str] = dict.fromkeys((
+  "gelu", "silu", "relu", "relu6", "elu", "celu", "selu", "leaky_relu", "mish", "glu",
+  "hard_tanh", "hard_sigmoid", "hard_silu", "squareplus", "sparse_plus", "soft_sign",
+), ACTIVATION)  # fmt: skip
+
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Equations ``members`` (indices, consecutive) that form one call of composite ``name``."""
+
+  name: str
+  rule: str
+  members: tuple[int, ...]
+  inputs: tuple[Any, ...]  #: the variables it reads from outside
+  outputs: tuple[Any, ...]  #: the variables it defines that are used outside (or returned)
+
+
+class Finder:
+  """Finds the composites of jaxprs under a table ``name -> rule`` (cached per jaxpr).
+
+  ``own`` are the names the user gave a rule: recognised in any file; the defaults only in
+  JAX's own ``jax.nn`` code, so a function of yours that happens to be named ``relu`` is
+  decided by its primitives unless you name it in ``rules``.
+  """
+
+  def __init__(self, table: Mapping[str, str], own: frozenset[str] = frozenset()):
+    self.table = {k: v for k, v in table.items() if v in (ACTIVATION, "float32")}
+    self.own = own
+    self.matched: set[str] = set()  #: the names found so far (a name never found is a typo?)
+    self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  def jit_composite(self, eqn: Any) -> str | None:
+    """The composite a single ``jit`` (or ``custom_jvp`` around one) equation is, if any."""
+    name = eqn.primitive.name
+    if name in P.JIT_NAMES:
+      jit = P.jit_name(eqn)
+      return jit if jit in self.table else None
+    if name == "custom_jvp_call":
+      body = P.call_body(eqn)
+      if len(body.eqns) == 1 and body.eqns[0].primitive.name in P.JIT_NAMES:
+        inner = P.jit_name(body.eqns[0])
+        return inner if inner in self.table else None
+    return None
+
+  def _traced_in(self, eqn: Any) -> tuple | None:
+    """(name, caller's file and line) of the innermost composite whose call traced ``eqn``."""
+    found = S.frames(eqn)
+    for k, frame in enumerate(found):
+      name = frame.function
+      if name in self.table and (name in self.own or frame.file.startswith(_JAX_DIR)):
+        caller = found[k + 1] if k + 1 < len(found) else frame
+        return name, caller.file, caller.line
+    return None
+
+  def groups(self, jaxpr: Any) -> dict[int, Group]:
+    """First member's index -> its :class:`Group`, for every composite call in ``jaxpr``."""
+    if not self.table:
+      return {}
+    if jaxpr not in self._cache:
+      self._cache[jaxpr] = self._find(jaxpr)
+    return self._cache[jaxpr]
+
+  def _find(self, jaxpr: Any) -> dict[int, Group]:
+    runs: list[tuple[str, list[int]]] = []
+    last_key = None
+    for i, eqn in enumerate(jaxpr.eqns):
+      single = self.jit_composite(eqn)
+      if single is not None:
+        runs.append((single, [i]))
+        last_key = None
+        continue
+      key = self._traced_in(eqn)
+      if key is not None and key == last_key:
+        runs[-1][1].append(i)
+      elif key is not None:
+        runs.append((key[0], [i]))
+      last_key = key
+    if not runs:
+      return {}
+    uses: dict[Any, set[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.invars:
+        if not J.is_literal(v):
+          uses.setdefault(v, set()).add(i)
+    returned = {v for v in jaxpr.outvars if not J.is_literal(v)}
+    found = {}
+    for name, members in runs:
+      inside = set(members)
+      defined = [v for i in members for v in jaxpr.eqns[i].outvars]
+      inputs = []
+      for i in members:
+        for v in jaxpr.eqns[i].invars:
+          if not J.is_literal(v) and v not in defined and v not in inputs:
+            inputs.append(v)
+      outputs = tuple(v for v in defined if v in returned or uses.get(v, set()) - inside)
+      found[members[0]] = Group(name, self.table[name], tuple(members), tuple(inputs), outputs)
+      self.matched.add(name)
+    return found
