@@ -309,35 +309,38 @@ class _Search:
         f"fn's {what} holds inf/NaN, but no operation made it: it was in the inputs already "
         f"({', '.join(bad) or 'none found'}). Check the data (jmp_scaler.nonfinite_report) and "
         "the previous step.")
-    level = W.level_of(self.closed, path)
-    extra = (U.ancestors(level, path[-1].index) if self.retrace is not None
-             and self.probed.has_half else [])  # fmt: skip
-    held = W.capture(self.closed, self.args, self.eqns[-1], path, extra=extra)
-    n_in = sum(not J.is_literal(v) for v in self.eqns[-1].invars)
-    report = _report(phase, self.eqns, path, held[:n_in], scale)
+    held = W.capture(self.closed, self.args, self.eqns[-1], path)
+    report = _report(phase, self.eqns, path, held, scale)
     if report.finite_in_float32 is True:
       return report  # a range problem: nothing upstream to blame
     if not self.probed.has_half:
       return dataclasses.replace(report, fn_finite_in_float32=False)
-    it = iter(held[:n_in])
+    if self.retrace is None:
+      return report
+    it = iter(held)
     made, _ = _run(self.eqns[-1], [np.asarray(v.val) if J.is_literal(v) else next(it)
                                    for v in self.eqns[-1].invars], widen=False)  # fmt: skip
     bad = next((~np.isfinite(_wide(o)) for o in made or () if not W.host_finite(o)),
                np.ones((), bool))  # fmt: skip
-    return self._function_verdict(report, level, path, extra, _split_outputs(
-      level, extra, held[n_in:]), bad)
+    return self._function_verdict(report, path, bad)
 
-  def _function_verdict(self, report: NonFiniteOp, level: Any, path: list, extra: list,
-                        half: dict, bad: np.ndarray) -> NonFiniteOp:  # fmt: skip
-    """``report`` with the verdict about the whole function in float32 (one more compiled
-    run: :mod:`._upstream`), and the upstream culprit where the verdicts differ."""
+  def _function_verdict(self, report: NonFiniteOp, path: list, bad: np.ndarray) -> NonFiniteOp:
+    """``report`` with the verdict about the whole function in float32 and the upstream
+    culprit where the verdicts differ (:mod:`._upstream`): one more compiled run, which
+    evaluates ``fn`` as it ran and widened, fetching the origin's ancestors in both."""
+    level = W.level_of(self.closed, path)
+    extra = U.ancestors(level, path[-1].index)
     try:
       closed_b, args_b = self.retrace()
       path_b, mapped = U.match(self.closed, path, closed_b, extra)
       level_b = W.level_of(closed_b, path_b)
       origin_b = level_b.eqns[path_b[-1].index]
       extra_b = sorted(set(mapped.values()))
-      held, narrow = W.capture(closed_b, args_b, origin_b, path_b, widen=True, extra=extra_b)
+      (as_ran, _), (held, narrow) = W.capture_many([
+        W.Request(self.closed, self.args, self.eqns[-1], path, extra=extra),
+        W.Request(closed_b, args_b, origin_b, path_b, widen=True, extra=extra_b)])
+      half = _split_outputs(level, extra, as_ran[sum(not J.is_literal(v)
+                                                     for v in self.eqns[-1].invars):])
       n_in = sum(not J.is_literal(v) for v in origin_b.invars)
       it = iter(held[:n_in])
       inputs = [np.asarray(v.val) if J.is_literal(v) else next(it) for v in origin_b.invars]

@@ -766,27 +766,47 @@ class _Capture:
     return list(outs[:n_out]), list(outs[n_out:])
 
 
-def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step],
-            widen: bool = False, extra: Sequence[int] = ()) -> list | tuple[list, set[str]]:
-  """The inputs (literals left out) of ``origin``, the equation at the end of ``path``, then
-  the outputs of the equations ``extra`` of its level, from one compiled run of ``closed`` on
-  ``args``; with ``widen``, every half-precision value computed in float32 instead, and then
-  ``(values, the primitives that stayed in half precision)``."""
-  closed = J.closed(closed)
-  level = level_of(closed, path)
-  n_held = sum(not J.is_literal(v) for v in origin.invars) + sum(
-    len(level.eqns[i].outvars) for i in extra)
+class Request(NamedTuple):
+  """What :func:`capture_many` fetches: the inputs of ``origin``, the equation at the end of
+  ``path`` in ``closed`` run on ``args``, and the outputs of the equations ``extra`` of its
+  level; with ``widen``, every half-precision value computed in float32."""
 
-  narrow: set[str] = set()
+  closed: Any
+  args: Sequence[Any]
+  origin: Any
+  path: Sequence[Step]
+  widen: bool = False
+  extra: Sequence[int] = ()
 
-  def program(consts, args):
-    interp = _Capture(n_held, widen, extra)
-    held = interp.run(closed, args, path, consts)[1]
-    narrow.update(interp.narrow)
-    return held
 
-  held = jax.device_get(_compiled(program, list(closed.consts), list(args)))
-  return (held, narrow) if widen else held
+def capture_many(requests: Sequence[Request]) -> list[tuple[list, set[str]]]:
+  """Each request's values (the origin's inputs, literals left out, then the extra outputs)
+  and the primitives that stayed in half precision in it, all from one compiled run."""
+  closed = [J.closed(r.closed) for r in requests]
+  counts = []
+  for r, c in zip(requests, closed, strict=True):
+    level = level_of(c, r.path)
+    counts.append(sum(not J.is_literal(v) for v in r.origin.invars)
+                  + sum(len(level.eqns[i].outvars) for i in r.extra))  # fmt: skip
+  narrow: list[set[str]] = [set() for _ in requests]
+
+  def program(all_consts, all_args):
+    out = []
+    for k, (r, c) in enumerate(zip(requests, closed, strict=True)):
+      interp = _Capture(counts[k], r.widen, r.extra)
+      out.append(interp.run(c, all_args[k], r.path, all_consts[k])[1])
+      narrow[k] = set(interp.narrow)
+    return out
+
+  held = jax.device_get(_compiled(program, [list(c.consts) for c in closed],
+                                  [list(r.args) for r in requests]))  # fmt: skip
+  return list(zip(held, narrow, strict=True))
+
+
+def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step]) -> list:
+  """The inputs (literals left out) of ``origin``, the equation at the end of ``path``, from one
+  compiled run of ``closed`` on ``args``."""
+  return capture_many([Request(closed, args, origin, path)])[0][0]
 
 
 def evaluate(programs: Sequence[tuple[Any, Sequence[Any], Callable[[Any], bool]]],
