@@ -19,6 +19,7 @@ import dataclasses
 import math
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -110,10 +111,9 @@ class PrecisionComparison:
   def __str__(self) -> str:
     what = self.policy if self.policy is not None else "fn as given"
     loss_err = _relative(np.float64(self.loss_half), np.float64(self.loss))
-    lines = [
+    lines = [_wrap(
       f"compare_precision: {what} against float32; loss {self.loss:.6g} vs {self.loss_half:.6g} "
-      f"(relative error {_fmt(loss_err)}), gradients at scale {self.scale:g}",
-    ]
+      f"(relative error {_fmt(loss_err)}), gradients at scale {self.scale:g}")]
     width = max([len("layer"), *(len(r.name) for r in self.layers)])
     lines.append(f"  {'layer':<{width}}  {'activation':>10}  {'gradient':>10}  "
                  f"{'underflow':>10}  dtype")  # fmt: skip
@@ -123,14 +123,23 @@ class PrecisionComparison:
       lines.append(f"  {r.name:<{width}}  {_fmt(r.activation_error):>10}  "
                    f"{_fmt(r.gradient_error):>10}  {under:>10}  {r.dtype}{mark}")  # fmt: skip
     if self.jump is None:
-      lines.append(f"no layer's error jumps (x{self.jump_factor:g} over {self.dtype}'s rounding "
-                   "and the layers before it)")  # fmt: skip
+      lines.append(_wrap(f"no layer's error jumps (x{self.jump_factor:g} over {self.dtype}'s "
+                         "rounding and the layers before it)"))  # fmt: skip
     else:
-      lines.append(f"first jump: {self.jump}; underflow: the share of the float32 gradient that "
-                   f"is 0 in {self.dtype} at scale {self.scale:g}")  # fmt: skip
+      row = self.layer(self.jump)
+      what = ("activation", row.activation_error) if _jumps_by(self, "activation_error") else (
+        "gradient", row.gradient_error)
+      lines.append(_wrap(f"first jump: {self.jump} ({what[0]} error {_fmt(what[1])}); underflow: "
+                         f"the share of the float32 gradient that is 0 in {self.dtype} at scale "
+                         f"{self.scale:g}"))  # fmt: skip
     if self.note:
-      lines.append(f"note: {self.note}")
+      lines.append(_wrap(f"note: {self.note}"))
     return "\n".join(lines)
+
+
+def _wrap(line: str) -> str:
+  return textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False,
+                       break_long_words=False)
 
 
 def _fmt(x: float | None) -> str:
@@ -406,17 +415,29 @@ def _matches(layer: str, parts: tuple) -> bool:
                                             mine[-len(parts):] == parts))  # fmt: skip
 
 
-def _jump(layers: tuple[LayerError, ...], eps: float, factor: float) -> str | None:
-  for attr in ("activation_error", "gradient_error"):
-    worst = eps
-    for row in layers:
-      err = getattr(row, attr)
-      if err is None:
-        continue
-      if err >= factor * worst:
-        return row.name
-      worst = max(worst, err)
+def _first_jump(layers: tuple[LayerError, ...], attr: str, eps: float,
+                factor: float) -> str | None:  # fmt: skip
+  """The first layer whose ``attr`` is at least ``factor`` times ``eps`` and every one before."""
+  worst = eps
+  for row in layers:
+    err = getattr(row, attr)
+    if err is None:
+      continue
+    if err >= factor * worst:
+      return row.name
+    worst = max(worst, err)
   return None
+
+
+def _jump(layers: tuple[LayerError, ...], eps: float, factor: float) -> str | None:
+  """The first activation error that jumps, else the first gradient error."""
+  return (_first_jump(layers, "activation_error", eps, factor)
+          or _first_jump(layers, "gradient_error", eps, factor))
+
+
+def _jumps_by(report: PrecisionComparison, attr: str) -> bool:
+  eps = float(jnp.finfo(report.dtype).eps)
+  return _first_jump(report.layers, attr, eps, report.jump_factor) == report.jump
 
 
 def _flat_eqns(closed: Any, calls: tuple = ()) -> list[tuple[Any, tuple]]:
