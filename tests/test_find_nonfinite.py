@@ -437,3 +437,15 @@ def test_the_float32_run_widens_loops_too():
   r = find(fn, jnp.ones(2))
   assert (r.primitive, r.finite_in_float32, r.fn_finite_in_float32) == ("log", False, True)
   assert r.upstream.startswith("scan at ") and "underflows to 0 in float16" in r.upstream
+
+
+def test_an_underflow_inside_a_library_function_names_the_function_and_the_users_line():
+  def reg(w):
+    return jnp.linalg.norm(w.astype(F16)).astype(F32)  # the float16 norm
+
+  r = find(reg, jnp.full(3, 1e-4), scale=2.0)  # (1e-4)^2 = 1e-8: 0 in float16, then 0 / 0
+  assert (r.phase, r.primitive, r.finite_in_float32, r.fn_finite_in_float32) == (
+    "backward", "div", False, True)
+  assert "the float16 norm" in line_of(r) and r.where == ("jit norm",)
+  assert r.upstream.startswith("mul inside norm at ") and "underflows to 0" in r.upstream
+  assert "Call norm on float32 values" in r.advice

@@ -369,9 +369,14 @@ class _Search:
       return dataclasses.replace(report, fn_finite_in_float32=True, advice=advice)
     found = C.user_lines(culprit.eqn)
     where = found[0] if found else report.source
+    # A culprit without a line of the user's is inside the library function around the origin.
+    inside = next((w[len("jit "):] for w in reversed(report.where) if w.startswith("jit ")
+                   and not found), None)  # fmt: skip
+    if inside is not None:
+      culprit = dataclasses.replace(culprit, name=f"{culprit.name} inside {inside}")
     advice = U.culprit_advice(culprit, where, report.primitive, report.phase, report.scale,
                               "transpose(" in S.name_stack(culprit.eqn),
-                              report.autocast)  # fmt: skip
+                              report.autocast, inside)  # fmt: skip
     return dataclasses.replace(report, fn_finite_in_float32=True, advice=advice,
                                upstream=f"{culprit.name} at {where}: {culprit.detail}")
 

@@ -198,9 +198,10 @@ def find_culprit(level_a: Any, level_b: Any, order: Sequence[int], mapped: dict[
 
 
 def culprit_advice(c: Culprit, where: str, origin: str, phase: str, scale: float | None,
-                   in_backward: bool, autocast: str | None) -> str:  # fmt: skip
+                   in_backward: bool, autocast: str | None,
+                   inside: str | None = None) -> str:  # fmt: skip
   """The next step for a ``c`` at ``where`` that broke the ``origin`` primitive (under the
-  ``autocast`` policy, if any)."""
+  ``autocast`` policy, if any; ``inside`` the library function called at ``where``)."""
   short = {"constant": "rounds a constant to 0", "underflow": "underflows to 0",
            "rounding": "rounds to 0", "clipped": "clips a value"}[c.kind]
   head = (f"the same function in float32 is finite: the {c.name} at {where}, upstream of this "
@@ -221,6 +222,9 @@ def culprit_advice(c: Culprit, where: str, origin: str, phase: str, scale: float
     return head + (f"A gradient that underflows at scale {scale:g}: a larger scale keeps it "
                    "(raise dynamic_scale's min_scale, the floor of the scale), or compute "
                    f"the {c.name} at {where} in float32")  # fmt: skip
+  if inside is not None and c.kind != "constant":
+    return head + (f"Call {inside} on float32 values at {where} (.astype(jnp.float32) on its "
+                   "inputs), and cast its result back if you need it in half precision")
   if autocast is not None and c.name == c.eqn.primitive.name:
     return head + (f"Keep it in float32 under autocast ({autocast}): jmp_scaler.autocast(fn, "
                    f"policy, rules={{{c.name!r}: 'float32'}}) (every {c.name}), or "
