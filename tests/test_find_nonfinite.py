@@ -449,3 +449,20 @@ def test_an_underflow_inside_a_library_function_names_the_function_and_the_users
   assert "the float16 norm" in line_of(r) and r.where == ("jit norm",)
   assert r.upstream.startswith("mul inside norm at ") and "underflows to 0" in r.upstream
   assert "Call norm on float32 values" in r.advice
+
+
+class Classifier(nnx.Module):
+  def __init__(self, rngs):
+    kernel = lambda *_: jnp.tile(jnp.array([[5.0, 0.0, -5.0]], F16), (4, 1))  # noqa: E731
+    self.head = nnx.Linear(4, 3, dtype=F16, param_dtype=F16, kernel_init=kernel, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.log(jax.nn.softmax(self.head(x)))  # log of a float16 softmax
+
+
+def test_an_nnx_models_log_of_softmax_blames_the_underflow_and_names_log_softmax():
+  model = Classifier(nnx.Rngs(0))  # logits 20, 0, -20: exp(-40) is 0 in float16
+  r = find(lambda m, x: jnp.sum(m(x).astype(F32)), model, jnp.ones((2, 4)))
+  assert (r.primitive, r.finite_in_float32, r.fn_finite_in_float32) == ("log", False, True)
+  assert "log of a float16 softmax" in line_of(r) and r.source.endswith("(Classifier.__call__)")
+  assert "underflows to 0 in float16" in r.upstream and "log_softmax" in r.advice
