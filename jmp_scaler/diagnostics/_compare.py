@@ -289,7 +289,8 @@ def compare_precision(fn: Callable[..., Any], *args: Any, policy: Policy | str |
       (``jmp_scaler.get_scale(opt_state)``).
     jump_factor: how many times larger than the half dtype's epsilon and than every error
       before it a layer's error must be to be the jump.
-    **kwargs: ``fn``'s keyword arguments.
+    **kwargs: ``fn``'s keyword arguments (``policy``, ``scale`` and ``jump_factor`` are this
+      function's own).
 
   Returns:
     A :class:`PrecisionComparison`: ``print`` it for a table; ``.jump`` names the first

@@ -182,7 +182,12 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, scale: Any = None,
   It runs the whole function as one compiled program that flags every operation (one
   reduction per value), the loss and its gradient as one more when ``scale`` is given, then
   a last one that fetches the inputs of the first flagged operation: about what compiling a
-  training step costs, not an operation-by-operation run. It sees through ``jit``,
+  training step costs, not an operation-by-operation run. When that operation is not finite
+  in float32 either, on the inputs it had, and ``fn`` computes anything in half precision, one
+  more compiled run evaluates ``fn`` with every half-precision value in float32
+  (``fn_finite_in_float32``) and names the upstream operation whose rounding broke the input
+  (``upstream``: a probability that underflowed before a ``log``, optax's ``eps`` that is 0 in
+  float16). It sees through ``jit``,
   ``custom_jvp``/``custom_vjp``, ``remat``, ``scan``/``while_loop``/``cond`` (naming the
   iteration and the branch) and ``shard_map`` (naming the device), and through
   :func:`jmp_scaler.autocast`: an autocast function is analysed as it runs, float16 casts
