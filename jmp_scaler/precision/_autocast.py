@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_scaler._leaves import FLOAT32, is_real_floating
+from jmp_scaler._leaves import FLOAT32, is_half, is_real_floating
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat import _source as S
+from jmp_scaler.jaxcompat import _types as T
 from jmp_scaler.lowbit._fp8 import Fp8Recipe, Unsupported, fp8_dot_general
 from jmp_scaler.precision import _rules as R
 from jmp_scaler.precision._casts import NONE, Planner
@@ -82,6 +83,7 @@ class _Interpreter:
                own: frozenset[str] = frozenset()):  # fmt: skip
     self.policy, self.table, self.recipe = policy, table, recipe
     self._in_activation = False
+    self._bodies: dict[Any, Callable] = {}
     finder = Finder(composites or {}, own)
     self.planner = Planner(table, self._body_of, given, finder)
 
@@ -139,18 +141,35 @@ class _Interpreter:
   def _activation(self, jaxpr: Any, group: Any, args: list, float32: bool) -> list:
     """An activation's equations as one op (:mod:`._composites`).
 
-    The inputs keep their dtypes; the widest floating one (scalars not counted), or float32
-    where the results feed float32 ops, is the results' dtype. Inside ``jax.checkpoint`` the
-    equations run in float32 (or wider: float64 stays), whatever dtypes they were traced
-    with, so the backward pass saves the inputs only and recomputes the rest in float32.
+    Its input is the largest floating value it reads (a norm's scale and bias are not): the
+    result of that shape gets that input's dtype, or float32 under the ``"float32"`` rule
+    or where it feeds float32 ops; other results (a batch norm's running statistics) keep
+    float32. Inside ``jax.checkpoint`` the equations run in float32 (or wider: float64
+    stays), whatever dtypes they were traced with, so the backward pass saves the inputs
+    only and recomputes the rest in float32; an op with a collective inside (a batch norm
+    over a mesh axis) is not recomputed, so the backward pass adds no communication.
     """
     eqns = [jaxpr.eqns[j] for j in group.members]
-    floats = [(a.dtype, _is_weak(v)) for v, a in zip(group.inputs, args, strict=True)
-              if is_real_floating(a)]  # fmt: skip
-    rule = R.FLOAT32 if float32 or group.rule == R.FLOAT32 else R.PROMOTE
-    target = (R.TARGETS[rule](self.policy.compute_dtype, *map(list, zip(*floats, strict=True)))
-              if floats else None)  # fmt: skip
+    floats = [a for a in args if is_real_floating(a)]
+    main = max(floats, key=lambda a: a.size) if floats else None
+    dtypes = [a.dtype for a in floats if a.size == main.size] if floats else []
+    if float32 or group.rule == R.FLOAT32:
+      target = R.widest([FLOAT32, *dtypes]) if floats else None
+    else:
+      target = R.widest(dtypes) if floats else None
 
+    remat = not any(P.is_collective(e) for e in eqns)
+    cached = self._bodies.get((group.key, remat)) if group.key is not None else None
+    outs = (cached or self._body(eqns, group, remat))(*args)
+    main_shape = main.shape if main is not None else None
+    def narrow(o):  # noqa: E306
+      shaped = len(outs) == 1 or o.shape == main_shape
+      return shaped and is_real_floating(o) and np.dtype(o.dtype).itemsize <= 4
+    return [R.cast(o, target) if target is not None and narrow(o) else o for o in outs]
+
+  def _body(self, eqns: list, group: Any, remat: bool) -> Callable:
+    """The function of an activation's equations in float32 (under ``jax.checkpoint`` when
+    ``remat``), kept for every later group of the same equations."""
     up = lambda x: R.cast(x, R.widest([FLOAT32, x.dtype])) if is_real_floating(x) else x  # noqa
 
     def body(*xs):
@@ -158,30 +177,40 @@ class _Interpreter:
       self._in_activation = True  # the calls inside (silu's jit) are part of this one op
       try:
         for eqn in eqns:
-          with S.user_context(eqn):
-            outs = self.apply(eqn, [J.read_literal(v, env) for v in eqn.invars], R.cast,
-                              R.FLOAT32, {}, None)  # fmt: skip
+          ins = [J.read_literal(v, env) for v in eqn.invars]
+          if name_is_convert(eqn) and is_half(eqn.params["new_dtype"]) and is_real_floating(
+              ins[0]):  # fmt: skip
+            outs = ins  # traced from half code (jnp.sum's round trip): no rounding inside
+          else:
+            with S.user_context(eqn):
+              outs = self.apply(eqn, ins, R.cast, R.FLOAT32, {}, None)
           env.update(zip(eqn.outvars, outs, strict=True))
       finally:
         self._in_activation = False
       return [env[v] for v in group.outputs]
 
-    outs = jax.checkpoint(body)(*args)
-    narrow = lambda o: is_real_floating(o) and np.dtype(o.dtype).itemsize <= 4  # noqa: E731
-    return [R.cast(o, target) if target is not None and narrow(o) else o for o in outs]
+    fn = jax.checkpoint(body) if remat else body
+    if group.key is not None:
+      self._bodies[(group.key, remat)] = fn
+    return fn
 
   def _bias_add(self, eqn: Any, args: list, k: int, cast: Callable) -> list:
     """A matmul's result plus a broadcast bias, in the matmul's dtype (``torch.nn.Linear``'s
     ``addmm``); a wider bias (float64) is not narrowed: the add promotes then.
 
-    The bias is broadcast to the result's shape before it is cast, so its gradient (the
-    sum of the half-precision cotangents over the broadcast dimensions) is summed in the
-    bias's own dtype, as cuBLAS's bias gradient accumulates in float32.
+    The bias is broadcast to the result's shape (and, inside ``shard_map``, marked varying
+    along the mesh axes the result varies along) before it is cast, so its gradient (the
+    sum of the half-precision cotangents over the broadcast dimensions and the devices) is
+    summed in the bias's own dtype, as cuBLAS's bias gradient accumulates in float32.
     """
     dtype, bias = args[k].dtype, args[1 - k]
     if np.dtype(bias.dtype).itemsize > max(4, np.dtype(dtype).itemsize):
       return self._bind(eqn, *self._cast(eqn, args, R.PROMOTE, cast))
-    bias = cast(jnp.broadcast_to(bias, args[k].shape), dtype)
+    bias = jnp.broadcast_to(bias, args[k].shape)
+    axes = tuple(sorted(T.varying_axes(args[k]) - T.varying_axes(bias), key=str))
+    if axes:
+      bias = T.mark_varying(bias, axes)
+    bias = cast(bias, dtype)
     return self._bind(eqn, [bias if j != k else a for j, a in enumerate(args)], eqn.params)
 
   def transform(self, closed: Any, args: Sequence[Any], *plan_args) -> Any:

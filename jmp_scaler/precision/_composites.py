@@ -28,12 +28,11 @@ equinox's activations are ``jax.nn``'s. A function of your own gets the rule by 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
-
-import jax
 
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
@@ -44,15 +43,34 @@ ACTIVATION = "activation"
 #: float32, or decided primitive by primitive.
 COMPOSITE_RULES = (ACTIVATION, "float32", "primitives")
 
-#: jax.nn's activations that torch.autocast runs in their input's dtype (flax.linen's and
-#: equinox's are these functions). ``sigmoid``, ``softplus`` and ``log_sigmoid`` are not here:
-#: torch lists softplus as float32, and ``logistic`` is float32 here (docs/autocast.md).
-DEFAULT_COMPOSITES: dict[str, str] = dict.fromkeys((
-  "gelu", "silu", "relu", "relu6", "elu", "celu", "selu", "leaky_relu", "mish", "glu",
-  "hard_tanh", "hard_sigmoid", "hard_silu", "squareplus", "sparse_plus", "soft_sign",
-), ACTIVATION)  # fmt: skip
+#: The ops torch.autocast runs whole that JAX, Flax and equinox write as several primitives:
+#: jax.nn's activations (flax.linen's and equinox's are these functions), in their input's
+#: dtype; the softmaxes and the layer, RMS and group norms of Flax (linen and NNX) and
+#: equinox (their ``__call__``), in float32 as torch's float32 list has them; batch norm in
+#: its input's dtype (torch lists it nowhere: cuDNN's kernel returns its input's dtype).
+#: ``sigmoid``, ``softplus`` and ``log_sigmoid`` are not here: torch lists softplus as
+#: float32, and ``logistic`` is float32 here (docs/autocast.md); each runs as it is.
+DEFAULT_COMPOSITES: dict[str, str] = {
+  **dict.fromkeys((
+    "gelu", "silu", "relu", "relu6", "elu", "celu", "selu", "leaky_relu", "mish", "glu",
+    "hard_tanh", "hard_sigmoid", "hard_silu", "squareplus", "sparse_plus", "soft_sign",
+    "BatchNorm.__call__",
+  ), ACTIVATION),
+  **dict.fromkeys((
+    "softmax", "log_softmax",
+    "LayerNorm.__call__", "RMSNorm.__call__", "GroupNorm.__call__",
+  ), "float32"),
+}  # fmt: skip
 
-_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+def _package_dir(name: str) -> str | None:
+  spec = importlib.util.find_spec(name)
+  origin = spec.origin if spec is not None else None
+  return os.path.dirname(os.path.abspath(origin)) + os.sep if origin else None
+
+
+#: Where the default composites live: a function of the same name elsewhere is yours.
+_HOMES = tuple(d for d in map(_package_dir, ("jax", "flax", "equinox")) if d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +82,39 @@ class Group:
   members: tuple[int, ...]
   inputs: tuple[Any, ...]  #: the variables it reads from outside
   outputs: tuple[Any, ...]  #: the variables it defines that are used outside (or returned)
+  #: equal for groups of the same equations (the 48 gelus of 48 layers): one body serves all,
+  #: so JAX traces, differentiates and transposes it once (its caches key on the jaxpr)
+  key: Hashable = None
+
+
+def _hashable(x: Any) -> Hashable:
+  try:
+    hash(x)
+    return x
+  except TypeError:
+    return repr(x)
+
+
+def structure(eqns: list, inputs: tuple, outputs: tuple) -> tuple:
+  """The equations with their variables numbered from the inputs on: a key for equal bodies."""
+  index = {v: i for i, v in enumerate(inputs)}
+  parts: list[Any] = []
+  for eqn in eqns:
+    ins = tuple(("literal", str(v.aval), repr(v.val)) if J.is_literal(v) else index[v]
+                for v in eqn.invars)  # fmt: skip
+    for v in eqn.outvars:
+      index[v] = len(index)
+    params = tuple(sorted((k, _hashable(v)) for k, v in eqn.params.items()))
+    parts.append((eqn.primitive, ins, tuple(str(v.aval) for v in eqn.outvars), params))
+  return (tuple(parts), tuple(index[v] for v in outputs))
 
 
 class Finder:
   """Finds the composites of jaxprs under a table ``name -> rule`` (cached per jaxpr).
 
   ``own`` are the names the user gave a rule: recognised in any file; the defaults only in
-  JAX's own ``jax.nn`` code, so a function of yours that happens to be named ``relu`` is
-  decided by its primitives unless you name it in ``rules``.
+  JAX's, Flax's and equinox's code, so a function of yours that happens to be named
+  ``relu`` is decided by its primitives unless you name it in ``rules``.
   """
 
   def __init__(self, table: Mapping[str, str], own: frozenset[str] = frozenset()):
@@ -98,7 +141,7 @@ class Finder:
     found = S.frames(eqn)
     for k, frame in enumerate(found):
       name = frame.function
-      if name in self.table and (name in self.own or frame.file.startswith(_JAX_DIR)):
+      if name in self.table and (name in self.own or frame.file.startswith(_HOMES)):
         caller = found[k + 1] if k + 1 < len(found) else frame
         return name, caller.file, caller.line
     return None
@@ -144,6 +187,12 @@ class Finder:
           if not J.is_literal(v) and v not in defined and v not in inputs:
             inputs.append(v)
       outputs = tuple(v for v in defined if v in returned or uses.get(v, set()) - inside)
-      found[members[0]] = Group(name, self.table[name], tuple(members), tuple(inputs), outputs)
+      eqns = [jaxpr.eqns[i] for i in members]
+      try:
+        key = structure(eqns, tuple(inputs), outputs)
+      except KeyError:  # pragma: no cover - a variable defined nowhere: no sharing
+        key = None
+      found[members[0]] = Group(name, self.table[name], tuple(members), tuple(inputs), outputs,
+                                key)  # fmt: skip
       self.matched.add(name)
     return found
