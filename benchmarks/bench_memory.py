@@ -25,7 +25,7 @@ ratio.
 
   python benchmarks/bench_memory.py                      # every model, float16 and bfloat16
   python benchmarks/bench_memory.py --compile --trace    # + XLA's temp bytes, trace cost
-  python benchmarks/bench_memory.py --quick              # tiny sizes, seconds
+  python benchmarks/bench_memory.py --quick              # tiny sizes, float16 (the suite's)
 """
 
 from __future__ import annotations
@@ -236,12 +236,14 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's run)")
   p.add_argument("--models", type=lambda s: s.split(","), default=None,
                  help="comma-separated subset of: " + ", ".join(cases(True)))
-  p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float16", "bfloat16"])
+  p.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
+                 help="float16,bfloat16 (the default; --quick: float16)")
   p.add_argument("--compile", action="store_true", help="also XLA's compiled temp bytes")
   p.add_argument("--trace", action="store_true", help="also the trace cost of autocast")
   p.add_argument("--trace-layers", type=int, default=48)
   p.add_argument("--trace-rounds", type=int, default=5)
   args = p.parse_args(argv)
+  args.dtypes = args.dtypes or (["float16"] if args.quick else ["float16", "bfloat16"])
   for dtype in args.dtypes:
     if dtype not in HALF:
       p.error(f"--dtypes takes float16 and bfloat16, got {dtype!r}")

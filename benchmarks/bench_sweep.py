@@ -42,6 +42,17 @@ off) and one overflowing step per variant checks the skip afterwards.
   python benchmarks/bench_sweep.py --hlo /tmp/hlo     # keep each compiled step's HLO
   python benchmarks/bench_sweep.py --codegen          # where each compile's time goes
 
+``--fresh N`` times nothing else: the compile a user meets, the first one in a fresh
+process. For each of N rounds every variant (rotating order) starts a new Python process that
+imports jax, builds the model and its state (their small programs compiled first, as in a
+training script) and then lowers and compiles the step once; the table gives the medians
+over rounds of each variant's lower and compile time over none's in the same round, and of
+the compile's CPU time. ``--compile-rounds`` measures warm compiles in one process instead
+(after ``jax.clear_caches``): XLA's own one-time costs and the allocator's warm state are
+then shared, which favours the larger programs (issue 36: cond x1.46 there, x1.85 fresh).
+
+  python benchmarks/bench_sweep.py --models mlp256 --variants ts_cond,ts_select,aif --fresh 7
+
 ``--codegen`` times nothing else: it compiles each step once under ``jax.profiler``
 and prints, from XLA:CPU's trace, the distinct kernels it compiled (identical fused
 kernels are compiled once), the time spent generating them (fusion emitter, then
@@ -337,6 +348,48 @@ def _print_table(name, model, rounds, steps, rows):
   sys.stdout.flush()
 
 
+def first_compile(model, variant: str) -> None:
+  """In this (fresh) process: lower and compile ``variant``'s step once, and print the times."""
+  kp, kb = jax.random.split(jax.random.key(0))
+  params = jax.jit(model.init)(kp)
+  batch = jax.jit(model.batch_of)(kb)
+  init, step, _, _ = variants(model)[variant]
+  state = init(params)
+  jax.block_until_ready(state)
+  t0 = time.perf_counter()
+  lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
+  t1, c1 = time.perf_counter(), time.process_time()
+  lowered.compile()
+  t2, c2 = time.perf_counter(), time.process_time()
+  print(f"first_compile lower={t1 - t0:.4f} compile={t2 - t1:.4f} cpu={c2 - c1:.4f}", flush=True)
+
+
+def fresh(name: str, names: list[str], rounds: int, quick: bool) -> None:
+  """Medians over ``rounds`` of each variant's first compile (fresh process) over none's."""
+  import subprocess
+
+  found: dict[str, list[dict[str, float]]] = {v: [] for v in names}
+  for r in range(rounds):
+    for v in names[r % len(names):] + names[: r % len(names)]:
+      argv = [sys.executable, os.path.abspath(__file__), "--first-compile", v, "--models", name]
+      out = subprocess.run(argv + (["--quick"] if quick else []), capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+      line = next(ln for ln in out.splitlines() if ln.startswith("first_compile"))
+      found[v].append({k: float(x) for k, x in (p.split("=") for p in line.split()[1:])})
+      print(f"  {name} {v} round {r}: {line}, load {os.getloadavg()[0]:.1f}", file=sys.stderr,
+            flush=True)
+  print(f"\n## {name}: first compile in a fresh process, {rounds} rounds interleaved "
+        "(medians of the per-round ratio to none)")
+  widths = (7, 7, 7, 8)
+  print(_models.row("variant", 12, ["lower", "compile", "cpu", "comp s"], widths))
+  for v in names:
+    ratio = {k: np.median([a[k] / b[k] for a, b in zip(found[v], found["none"], strict=True)])
+             for k in ("lower", "compile", "cpu")}  # fmt: skip
+    cells = [f"{ratio['lower']:.2f}", f"{ratio['compile']:.2f}", f"{ratio['cpu']:.2f}",
+             f"{np.median([a['compile'] for a in found[v]]):.2f}"]
+    print(_models.row(v, 12, cells, widths), flush=True)
+
+
 def models(quick: bool) -> dict[str, object]:
   if quick:
     return {"mlp8": _models.DeepMLP(leaves=8, params=4096, batch=4),
@@ -360,6 +413,9 @@ def main(argv=None):
                       help="times each step is traced, lowered and compiled (medians)")
   parser.add_argument("--codegen", action="store_true",
                       help="only where each compile's time goes (kernels, codegen, passes)")
+  parser.add_argument("--fresh", type=int, default=0, metavar="N",
+                      help="only the first compile in a fresh process, N rounds (medians)")
+  parser.add_argument("--first-compile", metavar="VARIANT", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   zoo = models(args.quick)
   chosen = list(zoo) if args.models == "all" else args.models.split(",")
@@ -369,7 +425,13 @@ def main(argv=None):
       parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS + ON_REQUEST)}")
   rounds = min(args.rounds, 2) if args.quick else args.rounds
   warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+  if args.first_compile:
+    first_compile(zoo[chosen[0]], args.first_compile)
+    return
   for name in chosen:
+    if args.fresh:
+      fresh(name, names, args.fresh, args.quick)
+      continue
     if args.codegen:
       codegen(name, zoo[name], names)
       continue

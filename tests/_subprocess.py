@@ -93,6 +93,7 @@ RUNS: dict[str, Run] = {
     "bench_find": _bench("bench_find.py", "--quick", cost=22),
     "bench_skip_cuts": _bench("bench_skip_cuts.py", "--quick", "--forms", "before,+group",
                               cost=5),
+    "bench_memory": _bench("bench_memory.py", "--quick", cost=16),
 }
 
 
@@ -106,7 +107,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "devices8": ("md_worker", "md_autocast_worker", "lp_worker", "md_fp8_worker",
                  "data_parallel"),
     "benchmarks": ("bench_bf16", "bench_sweep", "bench_autocast_gpt", "bench_cpu", "bench_gpu",
-                   "bench_policy", "bench_sweep_codegen", "bench_find", "bench_skip_cuts"),
+                   "bench_policy", "bench_sweep_codegen", "bench_find", "bench_skip_cuts",
+                   "bench_memory"),
 }
 
 

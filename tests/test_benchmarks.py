@@ -116,3 +116,22 @@ def test_bench_skip_cuts_quick_compiles_each_form_and_the_cuts_shorten_the_modul
   # The cuts since 26e7f7e take instructions out of the skip in both modes (8 leaves).
   assert rows["ts_select +group"][1] < rows["ts_select before"][1], rows
   assert rows["ts_cond +group"][1] < rows["ts_cond before"][1], rows
+
+
+@pytest.mark.runs("bench_memory")
+def test_bench_memory_quick_autocast_saves_no_more_than_hand_annotation_on_any_model():
+  """The quick run's table: every model (transformers unrolled, scanned and rematerialised,
+  NNX Gemma, ResNet), autocast's saved bytes at most hand annotation's and below float32's."""
+  text = output("bench_memory")
+  rows = {}
+  for line in text.splitlines():
+    cells = line.split()
+    if len(cells) == 8 and cells[1] == "float16":
+      rows[cells[0]] = [float(c) for c in cells[2:]]
+  assert sorted(rows) == sorted(["gpt", "gpt_scan", "gpt_remat", "llama", "llama_scan",
+                                 "lm1b", "gemma", "resnet"])
+  for name, (f32, hand, module, ours, vs_hand, vs_f32) in rows.items():
+    assert ours <= hand + 1e-9 and vs_hand <= 1.0, (name, rows[name])
+    assert ours < f32 and vs_f32 < 0.75 and hand < f32 and module > 0, (name, rows[name])
+  # the transformers' MLPs and norms: well under hand annotation, not only equal to it
+  assert rows["gpt"][4] < 0.8 and rows["gemma"][4] < 0.8 and rows["resnet"][4] < 0.8

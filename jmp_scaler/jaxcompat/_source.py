@@ -60,6 +60,13 @@ def frames(eqn: Any) -> list[Frame]:
   return [Frame(f.file_name, f.line_num, f.function_name) for f in tb.frames]
 
 
+def raw_frames(eqn: Any) -> list:
+  """jaxlib's frames of ``eqn``'s traceback (``function_name``, ``file_name``, ``line_num``),
+  innermost first, without copying them: for scans of every equation of a large jaxpr."""
+  tb = getattr(eqn.source_info, "traceback", None)
+  return [] if tb is None else tb.frames
+
+
 def _package_dirs(modules: Sequence[Any]) -> tuple[str, ...]:
   dirs = []
   for module in modules:

@@ -34,6 +34,8 @@ import weakref
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import numpy as np
+
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat import _source as S
@@ -88,6 +90,8 @@ class Group:
 
 
 def _hashable(x: Any) -> Hashable:
+  if isinstance(x, np.ndarray):
+    return ("array", x.dtype.str, x.shape, x.tobytes())
   try:
     hash(x)
     return x
@@ -100,12 +104,12 @@ def structure(eqns: list, inputs: tuple, outputs: tuple) -> tuple:
   index = {v: i for i, v in enumerate(inputs)}
   parts: list[Any] = []
   for eqn in eqns:
-    ins = tuple(("literal", str(v.aval), repr(v.val)) if J.is_literal(v) else index[v]
+    ins = tuple(("literal", v.aval, _hashable(v.val)) if J.is_literal(v) else index[v]
                 for v in eqn.invars)  # fmt: skip
     for v in eqn.outvars:
       index[v] = len(index)
-    params = tuple(sorted((k, _hashable(v)) for k, v in eqn.params.items()))
-    parts.append((eqn.primitive, ins, tuple(str(v.aval) for v in eqn.outvars), params))
+    params = tuple((k, _hashable(v)) for k, v in eqn.params.items())
+    parts.append((eqn.primitive, ins, tuple(v.aval for v in eqn.outvars), params))
   return (tuple(parts), tuple(index[v] for v in outputs))
 
 
@@ -138,12 +142,12 @@ class Finder:
 
   def _traced_in(self, eqn: Any) -> tuple | None:
     """(name, caller's file and line) of the innermost composite whose call traced ``eqn``."""
-    found = S.frames(eqn)
+    found = S.raw_frames(eqn)
     for k, frame in enumerate(found):
-      name = frame.function
-      if name in self.table and (name in self.own or frame.file.startswith(_HOMES)):
+      name = frame.function_name
+      if name in self.table and (name in self.own or frame.file_name.startswith(_HOMES)):
         caller = found[k + 1] if k + 1 < len(found) else frame
-        return name, caller.file, caller.line
+        return name, caller.file_name, caller.line_num
     return None
 
   def groups(self, jaxpr: Any) -> dict[int, Group]:
