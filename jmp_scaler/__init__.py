@@ -70,7 +70,10 @@ from jmp_scaler.lowbit._adam16 import adamw as adamw
 from jmp_scaler.lowbit._adam16 import low_precision_optimizer as low_precision_optimizer
 from jmp_scaler.lowbit._adam16 import scale_by_adam as scale_by_adam
 
-# FP8 matmuls: per-tensor current scaling.
+# FP8 matmuls: per-tensor current scaling; MXFP8 and NVFP4 block scaling.
+from jmp_scaler.lowbit._block import MxFp8Recipe as MxFp8Recipe
+from jmp_scaler.lowbit._block import Nvfp4Recipe as Nvfp4Recipe
+from jmp_scaler.lowbit._block import block_scaled_dot_general as block_scaled_dot_general
 from jmp_scaler.lowbit._fp8 import Fp8Recipe as Fp8Recipe
 from jmp_scaler.lowbit._fp8 import fp8_dot_general as fp8_dot_general
 
@@ -114,10 +117,12 @@ __all__ = (
     "LayerError",
     "LossScaleState",
     "LossScaler",
+    "MxFp8Recipe",
     "NNXOptimizer",
     "NNX_FLOAT32_MODULES",
     "NonFiniteOp",
     "NonFiniteReport",
+    "Nvfp4Recipe",
     "Policy",
     "PrecisionComparison",
     "ScaleByAdamState",
@@ -134,6 +139,7 @@ __all__ = (
     "autocast",
     "autocast_linen",
     "autocast_nnx",
+    "block_scaled_dot_general",
     "check_axis_name",
     "check_restored",
     "compare_precision",

@@ -28,6 +28,7 @@ from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat import _source as S
 from jmp_scaler.jaxcompat import _types as T
+from jmp_scaler.lowbit._block import MxFp8Recipe, Nvfp4Recipe, block_scaled_dot_general
 from jmp_scaler.lowbit._fp8 import Fp8Recipe, Unsupported, fp8_dot_general
 from jmp_scaler.precision import _rules as R
 from jmp_scaler.precision._casts import NONE, Planner
@@ -79,7 +80,7 @@ class _Interpreter:
   """Evaluates jaxprs under a policy and a rule table (see :mod:`._casts` for the plan)."""
 
   def __init__(self, policy: Policy, table: Mapping[str, str], given: frozenset[str],
-               recipe: Fp8Recipe, composites: Mapping[str, str] | None = None,
+               recipe: R.AnyRecipe, composites: Mapping[str, str] | None = None,
                own: frozenset[str] = frozenset()):  # fmt: skip
     self.policy, self.table, self.recipe = policy, table, recipe
     self._in_activation = False
@@ -262,7 +263,9 @@ class _Interpreter:
     target = R.TARGETS[R.COMPUTE](self.policy.compute_dtype, dtypes, [False] * len(dtypes))
     try:
       params = {**eqn.params, "preferred_element_type": target}
-      return [fp8_dot_general(*args, **params, recipe=self.recipe)]
+      if isinstance(self.recipe, Fp8Recipe):
+        return [fp8_dot_general(*args, **params, recipe=self.recipe)]
+      return [block_scaled_dot_general(*args, **params, recipe=self.recipe)]  # mxfp8, nvfp4
     except Unsupported as e:
       out = self._bind(eqn, *self._cast(eqn, args, R.COMPUTE, cast))
       _warn_not_fp8(eqn, e, out[0].dtype)
@@ -376,7 +379,7 @@ def autocast(
   fun: Callable | Policy | str | None = None,
   policy: Policy | str | None = None,
   *,
-  rules: Mapping[Any, str | Fp8Recipe] | None = None,
+  rules: Mapping[Any, str | Fp8Recipe | MxFp8Recipe | Nvfp4Recipe] | None = None,
 ) -> Callable:
   """Transforms ``fun`` to compute under ``policy``, op by op, as ``torch.autocast`` does.
 
@@ -399,7 +402,11 @@ def autocast(
     Fp8Recipe(...)}`` chooses the recipe (default ``Fp8Recipe()``). Dots already
     in fp8 are kept as they are (under ``"compute"`` too); a dot the op refuses
     (integer or float64 operands, a non-default ``precision``, ...) runs under
-    ``"compute"`` with a ``UserWarning`` once per site (docs/fp8.md).
+    ``"compute"`` with a ``UserWarning`` once per site (docs/fp8.md);
+  * ``"mxfp8"`` and ``"nvfp4"`` (``dot_general`` only; or an
+    :class:`jmp_scaler.MxFp8Recipe` or :class:`jmp_scaler.Nvfp4Recipe` as the rule):
+    the same with block scaling, each matmul as
+    :func:`jmp_scaler.block_scaled_dot_general`.
 
   Two things are decided from the traced dtypes first (:mod:`._casts`): a cast
   back to half precision that ends a round trip (``x16 -> float32 -> op ->

@@ -12,7 +12,10 @@ Each primitive has a rule, which decides the dtype its floating inputs are cast 
 * ``"keep"``: the inputs as they come, each in its own dtype (the default for
   primitives with several independent results: ``psum``, ``sort``, ``device_put``);
 * ``"fp8"`` (``dot_general`` only, or an :class:`~jmp_scaler.Fp8Recipe` as the rule): the
-  dot runs as :func:`~jmp_scaler.fp8_dot_general`, its result in the compute dtype.
+  dot runs as :func:`~jmp_scaler.fp8_dot_general`, its result in the compute dtype;
+  ``"mxfp8"`` and ``"nvfp4"`` (or an :class:`~jmp_scaler.MxFp8Recipe` or
+  :class:`~jmp_scaler.Nvfp4Recipe`) are the same rule with a block-scaled recipe: the dot runs
+  as :func:`~jmp_scaler.block_scaled_dot_general`.
 
 Integer, boolean and key-typed values are never cast, and float64 is never narrowed
 (PyTorch does not autocast float64 either).
@@ -42,6 +45,7 @@ from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat._jaxpr import Primitive
 from jmp_scaler.jaxcompat._types import row_struct, struct
+from jmp_scaler.lowbit._block import MxFp8Recipe, Nvfp4Recipe
 from jmp_scaler.lowbit._fp8 import Fp8Recipe
 from jmp_scaler.precision._composites import ACTIVATION, COMPOSITE_RULES, DEFAULT_COMPOSITES
 
@@ -55,6 +59,10 @@ MATMUL = (COMPUTE, FP8)
 #: The primitives the "fp8" rule applies to: matmuls only (docs/fp8.md: convolutions stay
 #: in the compute dtype, as TransformerEngine and torchao keep them).
 FP8_OPS = ("dot_general",)
+#: The block-scaled rules: names of the "fp8" rule with a block-scaled recipe.
+BLOCK_RULES = {"mxfp8": MxFp8Recipe, "nvfp4": Nvfp4Recipe}
+#: A recipe of the "fp8" rule: per-tensor (Fp8Recipe) or block-scaled.
+AnyRecipe = Fp8Recipe | MxFp8Recipe | Nvfp4Recipe
 
 _COMPUTE_OPS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 _FLOAT32_OPS = (
@@ -98,7 +106,7 @@ DEFAULT_RULES: dict[str, str] = {
 }
 
 
-def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe, dict[str, str], frozenset[str]]:
+def rule_table(rules: Any) -> tuple[dict[str, str], AnyRecipe, dict[str, str], frozenset[str]]:
   """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it:
   the primitives' table, the recipe of the ``"fp8"`` rule (``Fp8Recipe()`` unless a recipe
   is the rule), the composites' table (function name -> rule) and the names of the
@@ -108,10 +116,13 @@ def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe, dict[str, str], f
   activations (``"activation"``, ``"float32"`` or ``"primitives"``), or of a function of
   the user's given ``"activation"``; a
   primitive object is accepted as it is, so a primitive of your own needs no registration.
-  The ``"fp8"`` rule (or an ``Fp8Recipe``) is accepted for ``dot_general`` only.
+  The ``"fp8"`` rule (or an ``Fp8Recipe``) is accepted for ``dot_general`` only, as are
+  ``"mxfp8"`` and ``"nvfp4"`` (or their recipes), which are the ``"fp8"`` rule with the
+  block-scaled recipe.
   """
   table = {k: v for k, v in DEFAULT_RULES.items() if k not in DEFAULT_COMPOSITES}
-  composites, own, recipe = dict(DEFAULT_COMPOSITES), set(), Fp8Recipe()
+  composites, own = dict(DEFAULT_COMPOSITES), set()
+  recipe: AnyRecipe = Fp8Recipe()
   if rules is None:
     return table, recipe, composites, frozenset()
   if not isinstance(rules, dict):
@@ -137,14 +148,19 @@ def rule_table(rules: Any) -> tuple[dict[str, str], Fp8Recipe, dict[str, str], f
       name = key.name
     else:
       raise ValueError(f"rules keys must be primitives or primitive names, got {key!r}")
-    if isinstance(rule, Fp8Recipe):
+    label = rule if isinstance(rule, str) else "fp8"
+    if isinstance(rule, str) and rule in BLOCK_RULES:
+      rule = BLOCK_RULES[rule]()
+    if isinstance(rule, (Fp8Recipe, MxFp8Recipe, Nvfp4Recipe)):
+      label = {MxFp8Recipe: "mxfp8", Nvfp4Recipe: "nvfp4"}.get(type(rule), "fp8")
       rule, recipe = FP8, rule
     if not isinstance(rule, str) or rule not in RULES:
       raise ValueError(
-        f"rules[{name!r}] must be one of {RULES} or a jmp_scaler.Fp8Recipe, got {rule!r}")
+        f"rules[{name!r}] must be one of {RULES + tuple(BLOCK_RULES)} or a jmp_scaler."
+        f"Fp8Recipe, MxFp8Recipe or Nvfp4Recipe, got {rule!r}")
     if rule == FP8 and name not in FP8_OPS:
       raise ValueError(
-        f"rules[{name!r}] is 'fp8', which applies to {' and '.join(FP8_OPS)} only: "
+        f"rules[{name!r}] is {label!r}, which applies to {' and '.join(FP8_OPS)} only: "
         "convolutions and other ops stay in the compute dtype (docs/fp8.md)")
     table[name] = rule
   return table, recipe, composites, frozenset(own)
