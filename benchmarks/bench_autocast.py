@@ -37,6 +37,12 @@ compile excluded) with the ratio fp8 / autocast.
   python benchmarks/bench_autocast.py --model gpt --policy p=f32,c=bf16,o=f32   # fp8 vs bf16
   python benchmarks/bench_autocast.py --model gpt --quick
 
+``--block-scaled`` adds the block-scaled rules to ``--model gpt`` (issue 39): ``"mxfp8"``,
+``"nvfp4"`` and NVFP4 without its random Hadamard transform and stochastic rounding
+(``Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)``), every matmul included.
+
+  python benchmarks/bench_autocast.py --model gpt --policy p=f32,c=bf16,o=f32 --block-scaled
+
 ``--model losses`` measures what running the ops fed only to float32 ops in float32 costs
 (docs/autocast.md, "What the casts already in your function mean", point 4): the value and
 gradient of six losses of float16 predictions (mse, l1, huber, BCE-with-logits, Poisson NLL,
@@ -263,6 +269,10 @@ def train_gpt(args, policy):
   auto, fp8 = f"autocast {policy}", f"fp8 {policy}"
   setups = {"float32": task.loss_acc, auto: autocast(task.loss_acc, policy),
             fp8: autocast(task.loss_acc, policy, rules={"dot_general": "fp8"})}
+  if getattr(args, "block_scaled", False):
+    plain = jmp_scaler.Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)
+    for label, rule in (("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4 -rht -sr", plain)):
+      setups[f"{label} {policy}"] = autocast(task.loss_acc, policy, rules={"dot_general": rule})
 
   def make_train(apply_fn):
     def loss_fn(params, x, y):
@@ -344,6 +354,8 @@ def main(argv=None):
   parser.add_argument("--seq", type=int, default=None, help="32 (16 with --quick)")
   parser.add_argument("--d-model", type=int, default=None, help="32 (16 with --quick)")
   parser.add_argument("--gpt-layers", type=int, default=None, help="2 (1 with --quick)")
+  parser.add_argument("--block-scaled", action="store_true",
+                      help="--model gpt: also the mxfp8 and nvfp4 rules")
   args = parser.parse_args(argv)
   policy = jmp_scaler.get_policy(args.policy)
   if args.quick:

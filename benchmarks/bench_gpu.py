@@ -18,6 +18,18 @@ the table gives each one's median step time and its ratio to bf16:
                 down) as jmp_scaler.fp8_dot_general (per-tensor current scaling);
                 attention einsums, LayerNorm and softmax as in bf16; no scaler
 
+With ``--block-scaled`` (issue 39) the run is bf16, fp8 and the block-scaled variants only:
+
+  mxfp8         the same four projections as jmp_scaler.block_scaled_dot_general with
+                MxFp8Recipe() (1x32 blocks, E8M0 scales, RCEIL)
+  nvfp4         the same with Nvfp4Recipe() (E2M1, 16x16 weight tiles, the random Hadamard
+                transform on wgrad, stochastic rounding of the gradient)
+
+and the block report counts the ``__op$block_scaled_dot`` custom calls of each lowered step
+(jax >= 0.11: 3 per projection) and the compiled custom calls. The speed is Blackwell's
+(compute capability 10 and up): on any other GPU XLA dequantises the operands and runs an
+ordinary dot, and the report says the speed is unmeasured.
+
 The scaled variants against ``fp16`` are the scaler's cost; ``fp16+select``
 against ``fp16+cond`` says whether a fused select beats ``lax.cond`` (whose
 predicate may travel to the host every step) on this GPU; ``fp8`` against
@@ -34,6 +46,7 @@ to a 16-bit dot silently (``TurnF8DotIntoF16Dot``); XLA:CPU has no fp8 GEMM.
   python benchmarks/bench_gpu.py --quick    # tiny sizes, runs on a CPU too
   python benchmarks/bench_gpu.py --fp8-check   # bf16 and fp8 only, d=2048 blocks, under
       # 5 minutes on an H200; exits 1 on a GPU where an fp8 site is not an fp8 GEMM
+  python benchmarks/bench_gpu.py --block-scaled   # bf16, fp8, mxfp8, nvfp4
   python benchmarks/bench_gpu.py --hlo /tmp/hlo_gpu   # also keep each step's HLO: look
       # for `conditional`, and for `copy` of Adam's mu/nu in fp16+select
 """
@@ -69,11 +82,18 @@ def _fp8_mm(x, w):
   return jmp_scaler.fp8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
 
 
-def fp8_loss(model, params, batch, compute_dtype=jnp.bfloat16):
+def _block_mm(recipe):
+  """``x @ w`` as a block-scaled GEMM with ``recipe``."""
+  return lambda x, w: jmp_scaler.block_scaled_dot_general(
+      x, w, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe)
+
+
+def fp8_loss(model, params, batch, compute_dtype=jnp.bfloat16, mm=_fp8_mm):
   """``model.loss`` (a ``_models.Transformer``) with its projections as fp8 GEMMs.
 
   The same blocks line for line, but ``x @ w`` is ``_fp8_mm(x, w)`` for qkv, out,
-  up and down; the attention einsums stay in ``compute_dtype`` (as TE keeps them).
+  up and down; the attention einsums stay in ``compute_dtype`` (as TE keeps them). ``mm``
+  replaces ``_fp8_mm`` (the block-scaled variants).
   """
   p = _models._cast(params, compute_dtype)
   h = batch["x"].astype(compute_dtype)
@@ -81,15 +101,15 @@ def fp8_loss(model, params, batch, compute_dtype=jnp.bfloat16):
     x = _models._layer_norm(h, blk["ln1"])
     b, t, d = x.shape
     hd = d // model.heads
-    qkv = (_fp8_mm(x, blk["qkv"]["w"]) + blk["qkv"]["b"]).reshape(b, t, 3, model.heads, hd)
+    qkv = (mm(x, blk["qkv"]["w"]) + blk["qkv"]["b"]).reshape(b, t, 3, model.heads, hd)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
     causal = jnp.tril(jnp.ones((t, t), bool))
     w = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1).astype(x.dtype)
     o = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, d)
-    h = h + _fp8_mm(o, blk["out"]["w"]) + blk["out"]["b"]
-    u = _fp8_mm(_models._layer_norm(h, blk["ln2"]), blk["up"]["w"]) + blk["up"]["b"]
-    h = h + _fp8_mm(jax.nn.gelu(u), blk["down"]["w"]) + blk["down"]["b"]
+    h = h + mm(o, blk["out"]["w"]) + blk["out"]["b"]
+    u = mm(_models._layer_norm(h, blk["ln2"]), blk["up"]["w"]) + blk["up"]["b"]
+    h = h + mm(jax.nn.gelu(u), blk["down"]["w"]) + blk["down"]["b"]
   return jnp.mean(jnp.square(h.astype(jnp.float32) - batch["y"]))
 
 
@@ -149,7 +169,29 @@ def variants(model, lr=1e-4):
       "fp16+optax": (lambda p: (p, skip_tx.init(p)), optax_step,
                      lambda s: jmp_scaler.get_scale(s[1])),
       "fp8": plain(jnp.bfloat16, loss=lambda p, b, dt: fp8_loss(model, p, b, dt)),
+      "mxfp8": plain(jnp.bfloat16, loss=lambda p, b, dt: fp8_loss(
+          model, p, b, dt, _block_mm(jmp_scaler.MxFp8Recipe()))),
+      "nvfp4": plain(jnp.bfloat16, loss=lambda p, b, dt: fp8_loss(
+          model, p, b, dt, _block_mm(jmp_scaler.Nvfp4Recipe()))),
   }
+
+
+def block_report(lowered: dict, compiled: dict, dev) -> list[str]:
+  """Lines: each block-scaled variant's lowered custom calls and compiled custom calls."""
+  lines = []
+  for name in lowered:
+    sites = lowered[name].count("__op$block_scaled_dot")
+    targets = re.findall(r'custom_call_target="([^"]+)"', compiled[name])
+    block = sorted({t for t in targets if "block" in t.lower() or "cudnn" in t.lower()})
+    where = "" if jax.default_backend() == "gpu" else " (the custom call is CUDA's lowering)"
+    lines.append(f"{name}: {sites} __op$block_scaled_dot lowered{where}; compiled custom calls "
+                 f"{block or 'none (dequantised: ordinary dots)'}")
+  cc = getattr(dev, "compute_capability", None)
+  blackwell = jax.default_backend() == "gpu" and cc is not None and float(cc) >= 10
+  if not blackwell:
+    lines.append(f"block-scaled speed: unmeasured on {dev.device_kind} (needs Blackwell, compute "
+                 "capability 10+: elsewhere XLA dequantises and runs an ordinary dot)")
+  return lines
 
 
 def main(argv=None):
@@ -160,6 +202,8 @@ def main(argv=None):
                       help="seconds, compilation included: no new round starts after it")
   parser.add_argument("--quick", action="store_true", help="tiny sizes (runs on a CPU)")
   parser.add_argument("--hlo", metavar="DIR", help="write each compiled step's HLO here")
+  parser.add_argument("--block-scaled", action="store_true",
+                      help="bf16, fp8, mxfp8 and nvfp4 only, with the block report")
   parser.add_argument("--fp8-check", action="store_true",
                       help="bf16 and fp8 only; exit 1 on a GPU where an fp8 site is no fp8 GEMM")
   args = parser.parse_args(argv)
@@ -177,11 +221,15 @@ def main(argv=None):
   n_params = sum(x.size for x in jax.tree.leaves(params))
   batch = jax.jit(model.batch_of)(kb)
   vs = variants(model)
+  if args.block_scaled:
+    vs = {name: vs[name] for name in ("bf16", "fp8", "mxfp8", "nvfp4")}
+  else:
+    vs = {name: v for name, v in vs.items() if name not in ("mxfp8", "nvfp4")}
   if args.fp8_check:  # two compiles of d=2048 blocks: the whole check stays under 5 minutes
     vs = {name: vs[name] for name in ("bf16", "fp8")}
     args.budget = min(args.budget, 150.0)
   start = time.perf_counter()
-  fns, states, info, texts = {}, {}, {}, {}
+  fns, states, info, texts, block_low, block_comp = {}, {}, {}, {}, {}, {}
   for name, (init, step, _) in vs.items():
     t0 = time.perf_counter()
     fns[name] = jax.jit(step, donate_argnums=0)
@@ -191,6 +239,8 @@ def main(argv=None):
     compiled = lowered.compile()
     if name == "fp8":
       texts = {"lowered": lowered.as_text(), "compiled": compiled.as_text()}
+    if name in ("mxfp8", "nvfp4"):
+      block_low[name], block_comp[name] = lowered.as_text(), compiled.as_text()
     mem = compiled.memory_analysis()
     if args.hlo:
       os.makedirs(args.hlo, exist_ok=True)
@@ -245,6 +295,8 @@ def main(argv=None):
   print(f"\nfp8 report: {r['sites']} fp8 sites lowered ({4 * model.layers} projections x 3); "
         f"compiled: {r['cublas_f8']} cuBLASLt fp8 GEMMs + {r['triton_f8']} fp8 Triton dots "
         f"= {gemms} of {r['sites']}; fp8 throughput {speed:.3f}x bf16")
+  if block_low:
+    print("\nblock report:\n  " + "\n  ".join(block_report(block_low, block_comp, dev)))
   if jax.default_backend() == "gpu":
     if gemms < r["sites"]:
       print(f"FALLBACK: {r['sites'] - gemms} fp8 sites run as 16-bit dots")

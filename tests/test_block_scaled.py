@@ -385,3 +385,17 @@ def test_the_head_stays_in_bfloat16_under_a_nested_autocast():
     preferred_element_type=jnp.bfloat16))
   assert float(f(p, x)) == float(plain(p["w2"], h))  # the head: an ordinary bf16 dot
   assert "bf16[48,64]" in text
+
+
+@pytest.mark.parametrize("rule", ["mxfp8", "nvfp4"])
+def test_an_overflowing_operand_through_the_block_rules_makes_the_step_skip_exactly(rule):
+  from tests.test_fp8 import _bits, _f16_run
+
+  # tests/test_fp8.py's linen MLP, float16 input overflowing at the second step (an inf
+  # operand of the first dot), jitted once (chex.assert_max_traces) with no host transfer.
+  f16 = lambda apply: jmp_scaler.autocast(apply, "p=f32,c=f16,o=f32", rules={"dot_general": rule})
+  s0, s1, s2, s3 = _f16_run(lax.dot_general, f16, None)
+  m = lambda s: jmp_scaler.to_scalars(s.scale_metrics())
+  assert [m(s)["skipped"] for s in (s1, s2, s3)] == [0, 1, 0]
+  assert _bits(s2.params) == _bits(s1.params) and _bits(s2.opt_state[1]) == _bits(s1.opt_state[1])
+  assert int(s2.step) == 1 and int(s3.step) == 2 and _bits(s3.params) != _bits(s2.params)
