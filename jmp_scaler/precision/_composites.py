@@ -159,19 +159,21 @@ class Finder:
     return self._cache[jaxpr]
 
   def _find(self, jaxpr: Any) -> dict[int, Group]:
-    runs: list[tuple[str, list[int]]] = []
+    # (name, where it was called, members): the call site keeps the user's line of each call
+    # in the equations of a shared body (find_nonfinite names it).
+    runs: list[tuple[str, tuple, list[int]]] = []
     last_key = None
     for i, eqn in enumerate(jaxpr.eqns):
       single = self.jit_composite(eqn)
       if single is not None:
-        runs.append((single, [i]))
+        runs.append((single, S.summary_location(eqn), [i]))
         last_key = None
         continue
       key = self._traced_in(eqn)
       if key is not None and key == last_key:
-        runs[-1][1].append(i)
+        runs[-1][2].append(i)
       elif key is not None:
-        runs.append((key[0], [i]))
+        runs.append((key[0], key[1:], [i]))
       last_key = key
     if not runs:
       return {}
@@ -182,20 +184,18 @@ class Finder:
           uses.setdefault(v, set()).add(i)
     returned = {v for v in jaxpr.outvars if not J.is_literal(v)}
     found = {}
-    for name, members in runs:
+    for name, site, members in runs:
       inside = set(members)
       defined = [v for i in members for v in jaxpr.eqns[i].outvars]
-      inputs = []
+      mine = set(defined)
+      inputs: list[Any] = []
       for i in members:
         for v in jaxpr.eqns[i].invars:
-          if not J.is_literal(v) and v not in defined and v not in inputs:
+          if not J.is_literal(v) and v not in mine and v not in inputs:
             inputs.append(v)
       outputs = tuple(v for v in defined if v in returned or uses.get(v, set()) - inside)
       eqns = [jaxpr.eqns[i] for i in members]
-      try:
-        key = structure(eqns, tuple(inputs), outputs)
-      except KeyError:  # pragma: no cover - a variable defined nowhere: no sharing
-        key = None
+      key = (site, structure(eqns, tuple(inputs), outputs))
       found[members[0]] = Group(name, self.table[name], tuple(members), tuple(inputs), outputs,
                                 key)  # fmt: skip
       self.matched.add(name)
