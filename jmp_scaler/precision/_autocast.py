@@ -152,18 +152,18 @@ class _Interpreter:
     """
     eqns = [jaxpr.eqns[j] for j in group.members]
     floats = [a for a in args if is_real_floating(a)]
-    main = max(floats, key=lambda a: a.size) if floats else None
-    dtypes = [a.dtype for a in floats if a.size == main.size] if floats else []
-    if float32 or group.rule == R.FLOAT32:
-      target = R.widest([FLOAT32, *dtypes]) if floats else None
-    else:
-      target = R.widest(dtypes) if floats else None
+    main_shape, target = None, None
+    if floats:
+      main = max(floats, key=lambda a: a.size)
+      main_shape, dtypes = main.shape, [a.dtype for a in floats if a.size == main.size]
+      widen = float32 or group.rule == R.FLOAT32
+      target = R.widest([FLOAT32, *dtypes] if widen else dtypes)
 
     remat = not any(P.is_collective(e) for e in eqns)
     cached = self._bodies.get((group.key, remat)) if group.key is not None else None
     outs = (cached or self._body(eqns, group, remat))(*args)
-    main_shape = main.shape if main is not None else None
-    def narrow(o):  # noqa: E306
+
+    def narrow(o):
       shaped = len(outs) == 1 or o.shape == main_shape
       return shaped and is_real_floating(o) and np.dtype(o.dtype).itemsize <= 4
     return [R.cast(o, target) if target is not None and narrow(o) else o for o in outs]

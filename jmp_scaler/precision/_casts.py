@@ -130,7 +130,7 @@ class Planner:
   def _round_trips(self, jaxpr: Any, widened_in: tuple) -> tuple[frozenset, dict]:
     widened: dict[Any, frozenset] = dict(zip(jaxpr.invars, widened_in, strict=True))
     get = lambda v: NONE if J.is_literal(v) else widened.get(v, NONE)
-    trips = set()
+    trips: set[int] = set()
     for i, eqn in enumerate(jaxpr.eqns):
       ins = NONE.union(*(get(v) for v in eqn.invars if _floating(v)))
       if _is_convert(eqn):

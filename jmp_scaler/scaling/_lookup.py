@@ -6,6 +6,7 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
+from types import FrameType
 from typing import Any
 
 import flax
@@ -130,8 +131,9 @@ def find_scale_state(opt_state: Any) -> LossScaleState | None:
 def _caller_stacklevel() -> int:
   """The ``stacklevel`` of the first frame outside jmp_scaler and flax (NNX's metaclass calls
   ``__init__`` from its own frames), counted from the caller of this function."""
-  skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (flax, jmp_scaler))
-  frame, level = sys._getframe(1), 1
+  skip = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (flax, jmp_scaler))
+  frame: FrameType | None = sys._getframe(1)
+  level = 1
   while frame is not None and frame.f_code.co_filename.startswith(skip):
     frame, level = frame.f_back, level + 1
   return level

@@ -86,13 +86,13 @@ def check_head(what: str) -> None:
         "the head of the whole chain: optax.chain(jmp_scaler.dynamic_scale(), "
         "optax.partition(...))"
       )
-    found = None
+    position, combinator = None, ""
     if code is codes["chain"]:
-      found = _chain_position(frame, child), "optax.chain"
+      position, combinator = _chain_position(frame, child), "optax.chain"
     elif code is codes["named_chain"]:
-      found = _named_position(frame), "optax.named_chain"
-    if found is not None and found[0] is not None and found[0][0] > 0:
-      (index, before), combinator = found
+      position, combinator = _named_position(frame), "optax.named_chain"
+    if position is not None and position[0] > 0:
+      index, before = position
       raise ValueError(
         f"{what} is at position {index} (counting from 0) of an {combinator}, after "
         f"{', '.join(before)}, which act on the scaled gradients (a clip would cut the true "
