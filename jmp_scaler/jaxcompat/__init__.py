@@ -14,8 +14,8 @@ change to one file:
 * ``_primitives``: the parameters of the higher-order primitives, as named tuples;
 * ``_source``: an equation's source information, its user's frame and its context;
 * ``_types``: the mesh axes a value varies along or is unreduced over, its abstract value;
-* ``_scaled``: the block-scaled matmul (``jax.nn.scaled_matmul`` from jax 0.11, which first
-  lowers on CPU there; an exact emulation on jax 0.10).
+* ``_scaled``: the block-scaled matmul, ``jax.nn.scaled_matmul``, with jax 0.11's CPU lowering
+  registered on jax 0.10 (which has none).
 
 A parameter or name that a future JAX no longer has raises :class:`JaxInternalsError`, which
 names the JAX version and what is missing, at the first call that needs it: never a silently

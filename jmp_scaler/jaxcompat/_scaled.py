@@ -1,4 +1,4 @@
-"""The block-scaled matmul: ``jax.nn.scaled_matmul`` from jax 0.11, an exact emulation before.
+"""The block-scaled matmul, ``jax.nn.scaled_matmul``, and its CPU lowering on jax 0.10.
 
 ``jax.nn.scaled_matmul(a, b, a_scales, b_scales)`` (``a`` ``[B, M, K]``, ``b`` ``[B, N, K]``,
 one scale per block of the last axis) binds the ``scaled_matmul`` primitive
@@ -7,36 +7,62 @@ one scale per block of the last axis) binds the ``scaled_matmul`` primitive
 * CUDA (jax 0.10 and 0.12): the ``__op$block_scaled_dot`` custom call, which XLA:GPU's block
   scaling rewriter sends to cuDNN on Blackwell and otherwise (H100, H200) expands into a
   dequantisation and an ordinary dot;
-* CPU: none in jax 0.10 ("MLIR translation rule for primitive 'scaled_matmul' not found for
-  platform cpu"); from jax 0.11 (jax#38813) the operands and scales are cast to the result
-  dtype, multiplied block by block and contracted by one ``dot_general``.
+* CPU: from jax 0.11 (jax#38813) the operands and scales are cast to the result dtype,
+  multiplied block by block and contracted by one ``dot_general``; jax 0.10 has none ("MLIR
+  translation rule for primitive 'scaled_matmul' not found for platform cpu").
 
-:func:`scaled_matmul` below asks for a float32 result, so on jax >= 0.11 every platform
-computes ``sum_k (a * a_scale) * (b * b_scale)`` of exact float32 products; on jax 0.10 the
-same expression is written out (dequantise in float32, one float32 ``dot_general``), the
-same numerics on every backend. Either way the operands are exact values of their storage
-dtypes (float8 E4M3/E5M2 or float4 E2M1, scales E8M0 or E4M3), held in float32 by the caller.
+On jax 0.10 :func:`scaled_matmul` registers that same CPU lowering (the emulation:
+dequantise, one ``dot_general``) for the primitive, once, at its first call: the same
+primitive and the same numerics at both ends of the supported range, and a jaxpr in which
+``autocast`` meets a ``scaled_matmul`` of 8-bit operands, never a float32 dot it would narrow.
+The primitive's place (``_scaled_matmul_p``) and ``mlir.register_lowering`` are the
+internals read; a JAX without them raises :class:`~._errors.JaxInternalsError`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_scaler.jaxcompat._errors import missing
+
 #: The custom call the CUDA lowering of ``scaled_matmul`` emits (XLA:GPU's block-scaled dot).
 BLOCK_SCALED_DOT = "__op$block_scaled_dot"
 
 _VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
-#: Whether ``jax.nn.scaled_matmul`` lowers on every platform (CPU from jax 0.11).
-USES_SCALED_MATMUL = _VERSION >= (0, 11) and hasattr(jax.nn, "scaled_matmul")
+#: Whether this jax lowers ``scaled_matmul`` on CPU itself (jax >= 0.11).
+HAS_CPU_LOWERING = _VERSION >= (0, 11)
 
 
-def _dequantize(x: jax.Array, scales: jax.Array) -> jax.Array:
-  b, r, k = x.shape
-  kb = scales.shape[-1]
-  return (x.reshape(b, r, kb, k // kb) * scales[..., None]).reshape(b, r, k)
+def _cpu_lowering(a, b, a_scales, b_scales, *, preferred_element_type):
+  """jax 0.11's CPU lowering of ``scaled_matmul``, as it is written there."""
+  a, b = a.astype(preferred_element_type), b.astype(preferred_element_type)
+  sa, sb = a_scales.astype(preferred_element_type), b_scales.astype(preferred_element_type)
+  bsz, m, k = a.shape
+  n, ka, kb = b.shape[1], sa.shape[-1], sb.shape[-1]
+  a = (a.reshape(bsz, m, ka, k // ka) * sa[..., None]).reshape(bsz, m, k)
+  b = (b.reshape(bsz, n, kb, k // kb) * sb[..., None]).reshape(bsz, n, k)
+  return lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))),
+                         preferred_element_type=preferred_element_type)
+
+
+@functools.cache
+def _ensure_cpu_lowering() -> None:
+  """Registers :func:`_cpu_lowering` for the primitive on jax 0.10 (once)."""
+  if HAS_CPU_LOWERING:
+    return
+  try:
+    from jax._src.cudnn import scaled_matmul_stablehlo as sm
+    from jax._src.interpreters import mlir
+    prim = sm._scaled_matmul_p
+  except (ImportError, AttributeError):
+    raise missing("_scaled_matmul_p", "jax._src.cudnn.scaled_matmul_stablehlo") from None
+  mlir.register_lowering(prim, mlir.lower_fun(_cpu_lowering, multiple_results=False),
+                         platform="cpu")
 
 
 def scaled_matmul(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Array,
@@ -45,13 +71,10 @@ def scaled_matmul(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax
 
   ``a`` ``[B, M, K]`` and ``b`` ``[B, N, K]`` are float32 arrays holding values exact in
   ``a_dtype`` and ``b_dtype``, the scales float32 arrays exact in ``scale_dtype``; the
-  result is float32 ``[B, M, N]``. On jax >= 0.11 it is ``jax.nn.scaled_matmul`` of the
-  operands cast to their storage dtypes (exact casts); before, the same sum as a float32
-  ``dot_general``.
+  result is float32 ``[B, M, N]``: ``jax.nn.scaled_matmul`` of the operands cast to their
+  storage dtypes (exact casts), on every platform and both ends of the supported range.
   """
-  if USES_SCALED_MATMUL:
-    return jax.nn.scaled_matmul(
-      a.astype(a_dtype), b.astype(b_dtype), a_scales.astype(scale_dtype),
-      b_scales.astype(scale_dtype), preferred_element_type=jnp.float32)
-  return lax.dot_general(_dequantize(a, a_scales), _dequantize(b, b_scales),
-                         (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+  _ensure_cpu_lowering()
+  return jax.nn.scaled_matmul(
+    a.astype(a_dtype), b.astype(b_dtype), a_scales.astype(scale_dtype),
+    b_scales.astype(scale_dtype), preferred_element_type=jnp.float32)

@@ -4,8 +4,9 @@
 brought to ``[batch, free, contract]`` (``jax.nn.scaled_matmul``'s form), zero-padded to a
 multiple of the block size along every dimension a GEMM contracts (zeros change no amax and no
 sum), quantised block by block along the contracting axis of each GEMM, and multiplied by
-:func:`jmp_scaler.jaxcompat._scaled.scaled_matmul` (``jax.nn.scaled_matmul`` from jax 0.11, the
-``__op$block_scaled_dot`` custom call on CUDA; an exact float32 emulation on jax 0.10).
+``jax.nn.scaled_matmul`` (:mod:`jmp_scaler.jaxcompat._scaled`: the ``__op$block_scaled_dot``
+custom call on CUDA; on CPU dequantised in float32 and one float32 dot, jax 0.11's lowering,
+registered on jax 0.10).
 
 MXFP8 (OCP MX v1.0; TransformerEngine's ``MXFP8BlockScaling``), blocks of 32 along the
 contracting axis, one E8M0 (power of two) scale ``X`` per block, in float32 arithmetic::
@@ -409,11 +410,11 @@ def block_scaled_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precisi
   * dgrad ``da = g . b`` over ``n``;
   * wgrad ``db = g^T . a`` over ``m`` (NVFP4: both through the random Hadamard transform).
 
-  Each GEMM is :func:`jax.nn.scaled_matmul` on jax >= 0.11 (on CUDA the
-  ``__op$block_scaled_dot`` custom call that XLA:GPU sends to cuDNN on Blackwell and
-  dequantises elsewhere) with a float32 result, times NVFP4's tensor scales, cast once to
-  the result dtype; on jax 0.10 the same float32 sum, dequantised and contracted by one
-  ``dot_general``. An inf or NaN operand gives a non-finite result.
+  Each GEMM is :func:`jax.nn.scaled_matmul` (on CUDA the ``__op$block_scaled_dot`` custom
+  call that XLA:GPU sends to cuDNN on Blackwell and dequantises elsewhere; on CPU the
+  operands dequantised in float32 and one float32 dot, jax 0.11's lowering, which jax 0.10
+  lacks and jmp_scaler registers) with a float32 result, times NVFP4's tensor scales, cast
+  once to the result dtype. An inf or NaN operand gives a non-finite result.
 
   Args:
     lhs: a float16, bfloat16 or float32 array.
