@@ -47,9 +47,10 @@ process. For each of N rounds every variant (rotating order) starts a new Python
 imports jax, builds the model and its state (their small programs compiled first, as in a
 training script) and then lowers and compiles the step once; the table gives the medians
 over rounds of each variant's lower and compile time over none's in the same round, and of
-the compile's CPU time. ``--compile-rounds`` measures warm compiles in one process instead
-(after ``jax.clear_caches``): XLA's own one-time costs and the allocator's warm state are
-then shared, which favours the larger programs (issue 36: cond x1.46 there, x1.85 fresh).
+the compile's CPU time. ``--compile-rounds`` measures later compiles in one process instead
+(after ``jax.clear_caches``); three successive compiles of one step there are within 10% of
+each other, so the two agree but for the load, which a median of three rounds does not
+average away (BENCHMARKS.md, "The cost as the leaf count grows").
 
   python benchmarks/bench_sweep.py --models mlp256 --variants ts_cond,ts_select,aif --fresh 7
 
