@@ -305,6 +305,11 @@ def test_batched_and_multi_dimensional_dots():
   y = jmp_scaler.block_scaled_dot_general(a, b, dn, recipe=jmp_scaler.MxFp8Recipe())
   want = np.einsum("bijk,bklm->bijlm", np_mx(a), np_mx(np.moveaxis(b, 1, -1)).transpose(0, 3, 1, 2))
   _within_rounding(y, want, 32, F32)
+  # NVFP4: a batched right operand is no weight: 1x16 blocks along K, never 16x16 tiles.
+  y = jmp_scaler.block_scaled_dot_general(a, b, dn, recipe=jmp_scaler.Nvfp4Recipe())
+  bt = np.moveaxis(b, 1, -1).reshape(2, 80, 32)  # [batch, l*m, k], the op's canonical form
+  want = np.einsum("bijk,blk->bijl", np_nv(a.reshape(2, 48, 32)).reshape(a.shape), np_nv(bt))
+  _within_rounding(y, want.reshape(2, 3, 16, 5, 16), 32, F32)
 
 
 def test_every_gemm_lowers_to_the_block_scaled_dot_on_cuda():
