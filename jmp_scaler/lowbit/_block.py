@@ -56,7 +56,7 @@ from jax import lax
 from jmp_scaler._validation import integer, one_of
 from jmp_scaler.jaxcompat import _scaled
 from jmp_scaler.jaxcompat._types import unreduced_axes
-from jmp_scaler.lowbit._fp8 import Unsupported
+from jmp_scaler.lowbit._fp8 import Unsupported, check_precision, dot_dims
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -374,15 +374,6 @@ _block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 # ------------------------------------------------------------- the public op --
 
 
-def _check_precision(precision: Any) -> None:
-  default = (None, lax.Precision.DEFAULT, "default", "DEFAULT", "fastest")
-  parts = precision if isinstance(precision, (tuple, list)) else (precision,)
-  if not all(any(p is d or p == d for d in default) for p in parts):
-    raise Unsupported(
-      f"block_scaled_dot_general runs in fp8/fp4 and cannot honour precision={precision!r}: "
-      "pass precision=None (or keep this dot out of the block-scaled rule)")
-
-
 def _to_bmk(x, batch, contract, free):
   """``x`` transposed and reshaped to ``[batch, free, contract]`` (batch 1 if none)."""
   size = lambda dims: math.prod(x.shape[d] for d in dims)
@@ -454,25 +445,12 @@ def block_scaled_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precisi
         f"of dtype {x.dtype}")
     if unreduced_axes(x):
       raise Unsupported(f"block_scaled_dot_general got an unreduced {name}: reduce it first")
-  _check_precision(precision)
+  check_precision(precision, "block_scaled_dot_general", "fp8/fp4")
   if out_sharding is not None:
     raise Unsupported("block_scaled_dot_general does not take out_sharding")
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
-    want = jax.eval_shape(
-      lambda a, b: lax.dot_general(a, b, ((lc, rc), (lb, rb)),
-                                   preferred_element_type=preferred_element_type),
-      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-      f"dimension_numbers {dimension_numbers!r} do not fit lhs {lhs.shape} {lhs.dtype} and "
-      f"rhs {rhs.shape} {rhs.dtype}: {e}") from None
+  lc, rc, lb, rb, want = dot_dims("block_scaled_dot_general", lhs, rhs, dimension_numbers,
+                                  preferred_element_type)  # fmt: skip
   out_dtype = np.dtype(want.dtype)
-  if out_dtype not in _OPERAND_DTYPES:
-    raise Unsupported(
-      f"block_scaled_dot_general returns float32, bfloat16 or float16, got "
-      f"preferred_element_type={preferred_element_type!r}")
   lf = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
   rf = tuple(d for d in range(rhs.ndim) if d not in rc + rb)
   a, b = _to_bmk(lhs, lb, lc, lf), _to_bmk(rhs, rb, rc, rf)

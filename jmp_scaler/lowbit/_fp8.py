@@ -337,14 +337,40 @@ def _operand(name: str, x: Any) -> jax.Array:
   return x
 
 
-def _check_precision(precision: Any) -> None:
-  """Only the default precision: an explicit request for more cannot be met in fp8."""
+def check_precision(precision: Any, op: str = "fp8_dot_general", fmt: str = "fp8") -> None:
+  """Only the default precision: an explicit request for more cannot be met in ``fmt``."""
   default = (None, lax.Precision.DEFAULT, "default", "DEFAULT", "fastest")
   parts = precision if isinstance(precision, (tuple, list)) else (precision,)
   if not all(any(p is d or p == d for d in default) for p in parts):
     raise Unsupported(
-        f"fp8_dot_general runs in fp8 and cannot honour precision={precision!r}: pass "
-        "precision=None (or keep this dot out of fp8)")
+        f"{op} runs in {fmt} and cannot honour precision={precision!r}: pass "
+        f"precision=None (or keep this dot out of {fmt})")
+
+
+def dot_dims(op: str, lhs: Any, rhs: Any, dimension_numbers: Any,
+             preferred_element_type: Any) -> tuple[tuple, tuple, tuple, tuple, Any]:
+  """(lhs contracting, rhs contracting, lhs batch, rhs batch, the result's shape and dtype)
+  of a dot that ``op`` (a low-precision dot_general) computes; raises where
+  ``lax.dot_general`` would, and :class:`Unsupported` for a result dtype other than float32,
+  bfloat16 or float16."""
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+    want = jax.eval_shape(
+        lambda a, b: lax.dot_general(a, b, ((lc, rc), (lb, rb)),
+                                     preferred_element_type=preferred_element_type),
+        jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+        f"dimension_numbers {dimension_numbers!r} do not fit lhs {lhs.shape} {lhs.dtype} and "
+        f"rhs {rhs.shape} {rhs.dtype} (preferred_element_type={preferred_element_type!r}): "
+        f"{e}") from None
+  out_dtype = np.dtype(want.dtype)
+  if out_dtype not in _OPERAND_DTYPES:
+    raise Unsupported(
+        f"{op} returns float32, bfloat16 or float16, got preferred_element_type="
+        f"{preferred_element_type!r} (result dtype {out_dtype})")
+  return lc, rc, lb, rb, want
 
 
 def _canonical(x, batch, contract, free, contract_first):
@@ -432,26 +458,12 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any =
   if not isinstance(recipe, Fp8Recipe):
     raise ValueError(f"recipe must be a jmp_scaler.Fp8Recipe, got {recipe!r}")
   lhs, rhs = _operand("lhs", lhs), _operand("rhs", rhs)
-  _check_precision(precision)
+  check_precision(precision)
   _check_reduced(lhs)
   _check_reduced(rhs)  # all checks before anything is bound
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
-    want = jax.eval_shape(
-        lambda a, b: lax.dot_general(a, b, ((lc, rc), (lb, rb)),
-                                     preferred_element_type=preferred_element_type),
-        jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-        f"dimension_numbers {dimension_numbers!r} do not fit lhs {lhs.shape} {lhs.dtype} and "
-        f"rhs {rhs.shape} {rhs.dtype} (preferred_element_type={preferred_element_type!r}): "
-        f"{e}") from None
+  lc, rc, lb, rb, want = dot_dims("fp8_dot_general", lhs, rhs, dimension_numbers,
+                                  preferred_element_type)  # fmt: skip
   out_dtype = np.dtype(want.dtype)
-  if out_dtype not in _OPERAND_DTYPES:
-    raise Unsupported(
-        f"fp8_dot_general returns float32, bfloat16 or float16, got preferred_element_type="
-        f"{preferred_element_type!r} (result dtype {out_dtype})")
   lf = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
   rf = tuple(d for d in range(rhs.ndim) if d not in rc + rb)
   # Keep each operand's own order of free and contracting dimensions where it has one
