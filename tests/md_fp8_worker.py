@@ -192,6 +192,28 @@ def per_shard_control(ref):
   return {"block_rel_diffs": rel.tolist()}
 
 
+def nvfp4_shard_map():
+  """NVFP4's tensor scale inside shard_map is the whole batch's (device 3 holds its amax), so
+  the forward of a batch-sharded dot equals the one-device forward bit for bit; the control
+  quantises each block with its own amax and differs."""
+  from jmp_scaler.lowbit._block import nv_tensor_scale
+
+  x, p = data()
+  recipe = jmp_scaler.Nvfp4Recipe(stochastic_rounding=False)
+  dot = lambda x, w: jmp_scaler.block_scaled_dot_general(x, w, DN, recipe=recipe)  # noqa: E731
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(AxisType.Auto,))
+  scales = jax.jit(jax.shard_map(lambda x: nv_tensor_scale(x)[None], mesh=mesh,
+                                 in_specs=P("d"), out_specs=P("d")))(x)  # fmt: skip
+  sharded = jax.jit(jax.shard_map(lambda x, w: dot(x, w), mesh=mesh, in_specs=(P("d"), P()),
+                                  out_specs=P("d")))(x, p["w1"])  # fmt: skip
+  one = jax.jit(dot)(x, p["w1"])
+  local = np.concatenate([np.asarray(jax.jit(dot)(b, p["w1"])) for b in np.split(x, N)])
+  return {"scales": [float(s) for s in np.asarray(scales)],
+          "whole": float(jax.jit(nv_tensor_scale)(x)),
+          "sharded_vs_one": float(np.max(np.abs(np.asarray(sharded) - np.asarray(one)))),
+          "local_vs_one": float(np.max(np.abs(local - np.asarray(one))))}
+
+
 def main():
   assert jax.device_count() == N, jax.devices()
   ref = reference()
@@ -207,6 +229,7 @@ def main():
       "autocast_jit_auto": lambda: autocast_jit_auto(ref),
       "autocast_in_shard_map": lambda: autocast_in_shard_map(ref),
       "shard_map_in_autocast": lambda: shard_map_in_autocast(ref),
+      "nvfp4_shard_map": nvfp4_shard_map,
   }
   play(scenarios, {"ref_max": [float(np.max(np.abs(a))) for a in flat(ref)]})
 

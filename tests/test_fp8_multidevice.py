@@ -51,3 +51,10 @@ def test_out_sharding_is_honoured_under_explicit_sharding(report):
 def test_a_partial_sum_is_refused_rather_than_scaled_by_its_partial_amax(report):
   msg = scenario(report, "unreduced")["refused"]
   assert msg and "unreduced along ['d']" in msg, msg
+
+
+def test_nvfp4s_tensor_scale_is_the_whole_tensors_inside_shard_map(report):
+  r = scenario(report, "nvfp4_shard_map")
+  assert r["scales"] == [r["whole"]] * 8  # every device: the batch's amax (device 3's block)
+  assert r["sharded_vs_one"] == 0.0  # so the batch-sharded forward is the one-device one
+  assert r["local_vs_one"] > 0.0  # the control: each block's own amax would change it

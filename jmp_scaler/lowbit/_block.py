@@ -56,7 +56,7 @@ from jax import lax
 from jmp_scaler._validation import integer, one_of
 from jmp_scaler.jaxcompat import _scaled
 from jmp_scaler.jaxcompat._types import unreduced_axes
-from jmp_scaler.lowbit._fp8 import Unsupported, check_precision, dot_dims
+from jmp_scaler.lowbit._fp8 import Unsupported, amax_axes, check_precision, dot_dims
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -228,8 +228,13 @@ def e2m1_round(v: jax.Array, key: jax.Array | None = None) -> jax.Array:
 
 def nv_tensor_scale(x: jax.Array) -> jax.Array:
   """NVFP4's float32 tensor (encode) scale ``6 * 448 / amax``: 1 for a zero tensor, float32
-  max where it would overflow, NaN for a tensor holding an inf or NaN."""
+  max where it would overflow, NaN for a tensor holding an inf or NaN. The amax is the whole
+  tensor's: inside ``shard_map`` a ``pmax`` runs over the axes ``x`` is split along (as
+  :func:`jmp_scaler.fp8_dot_general`'s), so the scale does not depend on the device count."""
+  axes = amax_axes(x)
   amax = jnp.max(jnp.abs(x.astype(_F32)))
+  if axes:
+    amax = lax.pmax(amax, axes)
   s = np.float32(_FP4_MAX * _FP8_MAX) / amax
   s = jnp.where(amax == 0, np.float32(1), jnp.minimum(s, np.float32(np.finfo(np.float32).max)))
   return jnp.where(jnp.isfinite(amax), s, np.float32(np.nan))

@@ -143,7 +143,7 @@ def _check_reduced(x: jax.Array) -> None:
         "partial sum): its amax is not known until it is summed; reduce it first")
 
 
-def _amax_axes(x: jax.Array) -> tuple[str, ...]:
+def amax_axes(x: jax.Array) -> tuple[str, ...]:
   """The mesh axes whose devices each hold a block of ``x``, inside ``shard_map``.
 
   With ``check_vma=True`` (the default) these are the axes ``x`` varies
@@ -181,7 +181,7 @@ def quantize(x: jax.Array, dtype: np.dtype, recipe: Fp8Recipe) -> tuple[jax.Arra
     is the whole tensor's: under ``jit`` XLA reduces over every shard, and
     inside ``shard_map`` a ``pmax`` runs over the axes ``x`` is split along.
   """
-  axes = _amax_axes(x)
+  axes = amax_axes(x)
   x32 = x.astype(_F32)
   amax = jnp.max(jnp.abs(x32))
   if axes:
