@@ -273,6 +273,11 @@ def train_gpt(args, policy):
     plain = jmp_scaler.Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)
     for label, rule in (("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4 -rht -sr", plain)):
       setups[f"{label} {policy}"] = autocast(task.loss_acc, policy, rules={"dot_general": rule})
+    # NVFP4's recipe: attention's batched matmuls, the last block and the head stay in the
+    # policy's compute dtype, by nested autocast regions (no rule: plain compute dtype).
+    region = functools.partial(jmp_scaler.autocast, policy=policy)
+    setups[f"nvfp4 recipe {policy}"] = autocast(
+        functools.partial(task.loss_acc, keep=region), policy, rules={"dot_general": "nvfp4"})
 
   def make_train(apply_fn):
     def loss_fn(params, x, y):
