@@ -54,6 +54,11 @@ def _is_weak(var: Any) -> bool:
   return not aval.shape or bool(getattr(aval, "weak_type", False))
 
 
+def _widen(x: Any) -> Any:
+  """A half-precision floating ``x`` in float32; anything else as it is."""
+  return R.cast(x, FLOAT32) if is_real_floating(x) and x.dtype.itemsize < 4 else x
+
+
 def _all_fp8(args: Sequence[Any]) -> bool:
   """Whether every floating input is 8-bit: a matmul already in fp8 (fp8_dot_general's own)."""
   floats = [a for a in args if is_real_floating(a)]
@@ -171,10 +176,8 @@ class _Interpreter:
   def _body(self, eqns: list, group: Any, remat: bool) -> Callable:
     """The function of an activation's equations in float32 (under ``jax.checkpoint`` when
     ``remat``), kept for every later group of the same equations."""
-    up = lambda x: R.cast(x, R.widest([FLOAT32, x.dtype])) if is_real_floating(x) else x  # noqa
-
     def body(*xs):
-      env = {v: up(x) for v, x in zip(group.inputs, xs, strict=True)}
+      env = {v: _widen(x) for v, x in zip(group.inputs, xs, strict=True)}
       self._in_activation = True  # the calls inside (silu's jit) are part of this one op
       try:
         for eqn in eqns:
@@ -529,8 +532,7 @@ def full_precision(fun: Callable) -> Callable:
     raise ValueError(f"fun must be callable, got {fun!r}")
 
   def body(static, *dyn):
-    up = lambda x: R.cast(x, FLOAT32) if is_real_floating(x) and x.dtype.itemsize < 4 else x
-    args, kwargs = static.rebuild([up(x) for x in dyn])
+    args, kwargs = static.rebuild([_widen(x) for x in dyn])
     return fun(*args, **kwargs)
 
   return _named_jit(body, fun, f"{FULL_PRECISION_MARK}({_fun_name(fun)})")

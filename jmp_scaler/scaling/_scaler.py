@@ -367,6 +367,14 @@ def fixed_scale(
     :class:`LossScaleState`.
   """
   s = validation.positive_f32("scale", scale)
+  description = _describe(
+      "fixed_scale", dict(scale=s, skip_mode=skip_mode, axis_name=axis_name), bare)
+  return _fixed(s, axis_name, skip_mode, bare, description)
+
+
+def _fixed(s: float, axis_name: Hashable | None, skip_mode: str, bare: bool,
+           description: str) -> LossScaler:
+  """The constant scale ``s`` (validated), for :func:`fixed_scale` and :func:`no_scale`."""
   return _transformation(
       init_scale=s,
       growth_factor=1.0,
@@ -378,8 +386,7 @@ def fixed_scale(
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
       bare=bare,
-      description=_describe(
-          "fixed_scale", dict(scale=s, skip_mode=skip_mode, axis_name=axis_name), bare),
+      description=description,
   )
 
 
@@ -391,10 +398,9 @@ def no_scale(
   ``fixed_scale(1.0)``: the loss is not scaled, but non-finite steps are still
   skipped and counted, and the state matches :func:`dynamic_scale`'s.
   """
-  tx = fixed_scale(1.0, axis_name=axis_name, skip_mode=skip_mode, bare=bare)
-  tx.init.description = _describe(  # type: ignore[attr-defined]
+  description = _describe(
       "no_scale", dict(skip_mode=skip_mode, axis_name=axis_name), bare, first=False)
-  return tx
+  return _fixed(1.0, axis_name, skip_mode, bare, description)
 
 
 # --------------------------------------------------------------------------
