@@ -39,9 +39,13 @@ compile excluded) with the ratio fp8 / autocast.
 
 ``--block-scaled`` adds the block-scaled rules to ``--model gpt`` (issue 39): ``"mxfp8"``,
 ``"nvfp4"`` and NVFP4 without its random Hadamard transform and stochastic rounding
-(``Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)``), every matmul included.
+(``Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)``), every matmul included,
+and NVFP4 with its recipe's bf16 regions (attention's batched matmuls, the last block, the
+head); each prints its per-seed loss relative to the autocast (bf16) row, same draws per seed.
 
   python benchmarks/bench_autocast.py --model gpt --policy p=f32,c=bf16,o=f32 --block-scaled
+      --gpt-steps 1000 --gpt-layers 4 --d-model 64 --seeds 3    # (one line) docs/fp8.md's table
+  ... --block-scaled --block-setups "nvfp4 recipe"            # of the four, only that row
 
 ``--model losses`` measures what running the ops fed only to float32 ops in float32 costs
 (docs/autocast.md, "What the casts already in your function mean", point 4): the value and
@@ -256,6 +260,23 @@ def bench_losses(args, policy):
   return q[1]
 
 
+BLOCK_SETUPS = ("mxfp8", "nvfp4", "nvfp4 -rht -sr", "nvfp4 recipe")
+
+
+def block_setups(task, policy):
+  """``--block-scaled``'s loss functions, by label: every matmul in MXFP8, in NVFP4, in NVFP4
+  without its random Hadamard transform and stochastic rounding, and NVFP4's recipe: attention's
+  batched matmuls, the last block and the head in the policy's compute dtype, by nested
+  autocast regions (``keep=`` of bench_bf16's char-GPT; a region with no rule)."""
+  plain = jmp_scaler.Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)
+  out = {label: autocast(task.loss_acc, policy, rules={"dot_general": rule})
+         for label, rule in (("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4 -rht -sr", plain))}
+  region = functools.partial(jmp_scaler.autocast, policy=policy)
+  out["nvfp4 recipe"] = autocast(functools.partial(task.loss_acc, keep=region), policy,
+                                 rules={"dot_general": "nvfp4"})
+  return out
+
+
 def train_gpt(args, policy):
   """The char-GPT of bench_bf16.py in float32 and under autocast; prints the quality table."""
   import bench_bf16  # the model and data: plain float32 code, no dtype annotations
@@ -270,14 +291,10 @@ def train_gpt(args, policy):
   setups = {"float32": task.loss_acc, auto: autocast(task.loss_acc, policy),
             fp8: autocast(task.loss_acc, policy, rules={"dot_general": "fp8"})}
   if getattr(args, "block_scaled", False):
-    plain = jmp_scaler.Nvfp4Recipe(random_hadamard=False, stochastic_rounding=False)
-    for label, rule in (("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4 -rht -sr", plain)):
-      setups[f"{label} {policy}"] = autocast(task.loss_acc, policy, rules={"dot_general": rule})
-    # NVFP4's recipe: attention's batched matmuls, the last block and the head stay in the
-    # policy's compute dtype, by nested autocast regions (no rule: plain compute dtype).
-    region = functools.partial(jmp_scaler.autocast, policy=policy)
-    setups[f"nvfp4 recipe {policy}"] = autocast(
-        functools.partial(task.loss_acc, keep=region), policy, rules={"dot_general": "nvfp4"})
+    wanted = {w.strip() for w in args.block_setups.split(",")} if args.block_setups else None
+    for label, fn in block_setups(task, policy).items():
+      if wanted is None or label in wanted:
+        setups[f"{label} {policy}"] = fn
 
   def make_train(apply_fn):
     def loss_fn(params, x, y):
@@ -334,8 +351,13 @@ def train_gpt(args, policy):
   sd_auto = rows[auto]["loss"].std(ddof=1) if args.seeds > 1 else float("nan")
   print(f"per-seed loss difference fp8 - autocast: {' '.join(f'{d:+.4f}' for d in paired8)}"
         f"  (mean {paired8.mean() / sd_auto:+.2f} autocast sds)")  # fmt: skip
+  for label, row in rows.items():  # same draws per seed: the paired relative difference
+    if label.split()[0] in ("mxfp8", "nvfp4"):
+      rel = 100 * (row["loss"] / rows[auto]["loss"] - 1)
+      print(f"per-seed loss vs autocast, {label}: {' '.join(f'{d:+.2f}%' for d in rel)}  "
+            f"(mean {rel.mean():+.2f}%)")  # fmt: skip
   print("step ms (compile s): " + ", ".join(
-      f"{label.split()[0]} {1e3 * row['step']:.2f} ({row['compile']:.1f})"
+      f"{label.removesuffix(f' {policy}')} {1e3 * row['step']:.2f} ({row['compile']:.1f})"
       for label, row in rows.items()) + f"; ratio fp8/autocast: step "
       f"{rows[fp8]['step'] / rows[auto]['step']:.3f}, compile "
       f"{rows[fp8]['compile'] / rows[auto]['compile']:.3f}")  # fmt: skip
@@ -361,7 +383,14 @@ def main(argv=None):
   parser.add_argument("--gpt-layers", type=int, default=None, help="2 (1 with --quick)")
   parser.add_argument("--block-scaled", action="store_true",
                       help="--model gpt: also the mxfp8 and nvfp4 rules")
+  parser.add_argument("--block-setups", default="",
+                      help="with --block-scaled: only these of 'mxfp8', 'nvfp4', "
+                           "'nvfp4 -rht -sr', 'nvfp4 recipe' (comma-separated)")
   args = parser.parse_args(argv)
+  unknown = {w.strip() for w in args.block_setups.split(",")} - set(BLOCK_SETUPS) - {""}
+  if unknown:
+    parser.error(f"--block-setups {args.block_setups!r}: {sorted(unknown)} not among "
+                 f"{list(BLOCK_SETUPS)}")
   policy = jmp_scaler.get_policy(args.policy)
   if args.quick:
     args.rounds, args.steps, args.compiles = 3, 2, 1

@@ -7,6 +7,7 @@ rounding; the quantisers at their edges by known answers.
 """
 
 import functools
+import re
 import warnings
 
 import jax
@@ -412,3 +413,39 @@ def test_the_op_called_by_hand_inside_autocast_keeps_its_numerics(recipe):
   for policy in ("p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"):
     np.testing.assert_array_equal(jmp_scaler.autocast(f, policy)(x, w), f(x, w))
   assert "scaled_matmul" in str(jax.make_jaxpr(f)(x, w))
+
+
+@pytest.mark.slow  # traces the char-GPT three times (a few seconds)
+def test_the_char_gpt_nvfp4_recipe_keeps_attention_the_last_block_and_the_head_in_bf16():
+  # docs/fp8.md's "NVFP4 recipe" row (bench_autocast.py --block-scaled): nested autocast
+  # regions with no rule keep what the recipe keeps in bf16; the other linear layers are FP4.
+  import argparse
+  import pathlib
+  import runpy
+  import sys
+
+  bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+  sys.path.insert(0, str(bench))
+  try:
+    setups = runpy.run_path(str(bench / "bench_autocast.py"))["block_setups"]
+    import bench_bf16
+  finally:
+    sys.path.remove(str(bench))
+  task = bench_bf16.gpt_task(argparse.Namespace(
+    seq=16, d_model=16, gpt_layers=2, gpt_batch=4, gpt_steps=1, gpt_lr=1e-3))
+  p = task.init(jax.random.key(0))
+  x, y = jnp.asarray(task.x_train[:4]), jnp.asarray(task.y_train[:4])
+  fns = setups(task, jmp_scaler.get_policy("p=f32,c=bf16,o=f32"))
+  assert list(fns) == ["mxfp8", "nvfp4", "nvfp4 -rht -sr", "nvfp4 recipe"]
+  one = str(jax.make_jaxpr(lambda a, b: jmp_scaler.block_scaled_dot_general(
+    a, b, DN, recipe=jmp_scaler.Nvfp4Recipe()))(jnp.ones((16, 16)), jnp.ones((16, 16))))
+  per_dot = one.count("scaled_matmul")
+  recipe = str(jax.make_jaxpr(fns["nvfp4 recipe"])(p, x, y))
+  every = str(jax.make_jaxpr(fns["nvfp4"])(p, x, y))
+  bf16_dots = lambda t: len(re.findall(r"bf16\[[^\]]*\] = dot_general", t))
+  # FP4: the first block's qkv, out, up and down; bf16: both blocks' two attention einsums,
+  # the last block's four projections and the tied head
+  assert recipe.count("scaled_matmul") == 4 * per_dot and bf16_dots(recipe) == 2 * 2 + 4 + 1
+  assert bf16_dots(every) == 0 and every.count("scaled_matmul") > recipe.count("scaled_matmul")
+  loss = lambda f: float(f(p, x, y)[0])
+  assert abs(loss(fns["nvfp4 recipe"]) - float(task.loss_acc(p, x, y)[0])) < 0.05
