@@ -41,7 +41,6 @@ from jmp_scaler.precision._policy import Policy, get_policy
 
 #: The prefix of the name scopes given to NNX and equinox modules (``jmp_layer:blocks.0.mlp``).
 LAYER_MARK = "jmp_layer:"
-_WRAPPERS = re.compile(r"[A-Za-z_]+\(|\)")
 
 
 # ---------------------------------------------------------------- the report
@@ -231,8 +230,8 @@ def layer_of(eqn: Any, calls: tuple = ()) -> str:
   """The layer of ``eqn``, inside the call equations ``calls`` (outermost first): the innermost
   NNX/equinox module path, the flax ``linen`` module path (the root module left out), else the
   user's line (that of the call of a library's function it is in)."""
-  stack = "/".join(S.name_stack(e) for e in (*calls, eqn))
-  parts = [p for p in _WRAPPERS.sub("", stack).split("/") if p]
+  path = S.module_path([S.name_stack(e) for e in (*calls, eqn)])
+  parts = path.split("/") if path else []
   marked = [p[len(LAYER_MARK):] for p in parts if p.startswith(LAYER_MARK)]
   if marked:
     return marked[-1]

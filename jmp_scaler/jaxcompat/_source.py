@@ -90,6 +90,15 @@ def user_frames(eqn: Any, excluded_modules: Sequence[Any]) -> list[Frame]:
   return found
 
 
+_WRAPPERS = re.compile(r"[A-Za-z_]+\(|\)")
+
+
+def module_path(stacks: Sequence[str]) -> str:
+  """The name stacks of nested calls (outermost first) as one path of scope names, without
+  differentiation's ``jvp(...)`` and ``transpose(...)``: ``"Model/Block_3/Dense_0"``."""
+  return "/".join(p for s in stacks for p in _WRAPPERS.sub("", s).split("/") if p)
+
+
 def name_stack(eqn: Any) -> str:
   """``eqn``'s name stack as JAX prints it: the ``jax.named_scope`` names around it, wrapped
   in ``jvp(...)`` and ``transpose(...)`` by differentiation (``transpose(jvp(loss))``)."""

@@ -14,9 +14,10 @@ whenever it is jitted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -86,8 +87,12 @@ class _Interpreter:
 
   def __init__(self, policy: Policy, table: Mapping[str, str], given: frozenset[str],
                recipe: R.AnyRecipe, composites: Mapping[str, str] | None = None,
-               own: frozenset[str] = frozenset()):  # fmt: skip
+               own: frozenset[str] = frozenset(), scoped: Sequence[R.Scoped] = ()):  # fmt: skip
     self.policy, self.table, self.recipe = policy, table, recipe
+    self.scoped = tuple(scoped)
+    self._path: list[str] = []  # the name stacks of the calls being run, outermost first
+    self.matched: set[int] = set()  # the scoped rules that matched an equation (by index)
+    self.paths: set[str] = set()  # the module paths of the scoped rules' primitives
     self._in_activation = False
     self._bodies: dict[Any, Callable] = {}
     finder = Finder(composites or {}, own)
@@ -224,6 +229,9 @@ class _Interpreter:
   def apply(self, eqn: Any, args: list, cast: Callable, rule: str | None, widened: Mapping,
             fed_out: tuple | None) -> list:  # fmt: skip
     name = eqn.primitive.name
+    recipe = self.recipe
+    if rule is None and self.scoped:
+      rule, recipe = self._scoped(eqn, name)
     rule = rule or self.table.get(name)
     if rule == R.ORIGINAL:
       return self._original(eqn, args)
@@ -234,16 +242,18 @@ class _Interpreter:
           eqn, body, [R.cast(a, v.dtype) for a, v in zip(args, body.in_avals, strict=True)]
         )
       inner = [NONE if J.is_literal(v) else widened.get(v, NONE) for v in eqn.invars]
-      return P.rebind_jit(eqn, self.transform(body, args, inner, fed_out), args)
+      with self._inside(eqn):
+        return P.rebind_jit(eqn, self.transform(body, args, inner, fed_out), args)
     if name in R.HIGHER_ORDER:
-      return R.HIGHER_ORDER[name](self._runner(eqn, fed_out), eqn, args)
+      with self._inside(eqn):
+        return R.HIGHER_ORDER[name](self._runner(eqn, fed_out), eqn, args)
     if R.is_scatter(eqn):
       args, _ = self._cast(eqn, args, rule or R.PROMOTE, cast)
       return R.rebind_scatter(eqn, args)
     if rule in R.MATMUL and _all_fp8(args):  # already fp8: lower than any compute dtype
       return self._bind(eqn, args, eqn.params)
     if rule == R.FP8:
-      return self._fp8(eqn, args, cast)
+      return self._fp8(eqn, args, cast, recipe)
     if J.has_sub_jaxprs(eqn):
       warnings.warn(
         f"jmp_scaler.autocast cannot rewrite the body of {name!r}; it runs at the dtypes "
@@ -255,7 +265,31 @@ class _Interpreter:
       rule = R.PROMOTE if not eqn.primitive.multiple_results else R.KEEP
     return self._bind(eqn, *self._cast(eqn, args, rule, cast))
 
-  def _fp8(self, eqn: Any, args: list, cast: Callable) -> list:
+  @contextlib.contextmanager
+  def _inside(self, eqn: Any) -> Iterator[None]:
+    """Runs a call's body with the call's name stack on the module path."""
+    self._path.append(S.name_stack(eqn))
+    try:
+      yield
+    finally:
+      self._path.pop()
+
+  def _scoped(self, eqn: Any, name: str) -> tuple[str | None, R.AnyRecipe]:
+    """The first scoped rule of ``name`` whose pattern is in ``eqn``'s module path, and its
+    recipe; (None, the recipe of ``rules``) if none."""
+    path = None
+    for i, s in enumerate(self.scoped):
+      if s.name != name:
+        continue
+      if path is None:
+        path = S.module_path((*self._path, S.name_stack(eqn)))
+        self.paths.add(path)
+      if s.regex.search(path):
+        self.matched.add(i)
+        return s.rule, s.recipe if s.recipe is not None else self.recipe
+    return None, self.recipe
+
+  def _fp8(self, eqn: Any, args: list, cast: Callable, recipe: R.AnyRecipe) -> list:
     """A ``dot_general`` as :func:`fp8_dot_general`, its result in the compute rule's dtype.
 
     A dot the op refuses (integer or float64 operands, a non-default precision, an
@@ -266,9 +300,9 @@ class _Interpreter:
     target = R.TARGETS[R.COMPUTE](self.policy.compute_dtype, dtypes, [False] * len(dtypes))
     try:
       params = {**eqn.params, "preferred_element_type": target}
-      if isinstance(self.recipe, Fp8Recipe):
-        return [fp8_dot_general(*args, **params, recipe=self.recipe)]
-      return [block_scaled_dot_general(*args, **params, recipe=self.recipe)]  # mxfp8, nvfp4
+      if isinstance(recipe, Fp8Recipe):
+        return [fp8_dot_general(*args, **params, recipe=recipe)]
+      return [block_scaled_dot_general(*args, **params, recipe=recipe)]  # mxfp8, nvfp4
     except Unsupported as e:
       out = self._bind(eqn, *self._cast(eqn, args, R.COMPUTE, cast))
       _warn_not_fp8(eqn, e, out[0].dtype)
@@ -452,7 +486,15 @@ def autocast(
       example ``{"tanh": "float32", "reduce_max": "promote"}``, or
       ``{"dot_general": "fp8"}`` (or an :class:`jmp_scaler.Fp8Recipe` as its
       rule). A name must be a known primitive's; a primitive object of your
-      own is accepted.
+      own is accepted. A key ``(primitive, pattern)`` is a scoped rule: the
+      rule of that primitive's equations whose module path (their
+      ``jax.named_scope`` names, outermost first: flax linen's module path,
+      ``"Model/Block_3/Dense_0"``) contains a match of the regular expression
+      ``pattern`` (``re.search``); the first matching scoped rule wins over
+      the primitive's own, so ``{"dot_general": "nvfp4", ("dot_general",
+      r"Block_3|head"): "compute"}`` keeps a last block and the head in the
+      compute dtype with no edit to the model. A scoped rule that matches no
+      equation warns, listing the module paths there are.
 
   Returns:
     The transformed function, with ``fun``'s signature.
@@ -474,13 +516,14 @@ def autocast(
   if policy is None:
     raise ValueError("policy must be a jmp_scaler.Policy or a policy string, got None")
   policy = as_policy("policy", policy)
-  table, recipe, composites, own = R.rule_table(rules)
+  table, recipe, composites, own, scoped = R.rule_table(rules)
   if fun is None:
     return functools.partial(autocast, policy=policy, rules=rules)
   if not callable(fun):
     raise ValueError(f"fun must be callable, got {fun!r}")
-  given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {})) - own
-  interp = _Interpreter(policy, table, given, recipe, composites, own)
+  given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {})
+                    if not isinstance(k, tuple)) - own | {s.name for s in scoped}
+  interp = _Interpreter(policy, table, given, recipe, composites, own, scoped)
 
   def body(static, *dyn):
     def flat(*xs):
@@ -490,6 +533,8 @@ def autocast(
     closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*dyn)  # abstracts: vma, weak
     # The output cast to float32 is a float32 use: what feeds only it runs in float32.
     fed = (np.dtype(policy.output_dtype).itemsize >= 4,) * len(closed.jaxpr.outvars)
+    interp.matched.clear()
+    interp.paths.clear()
     outs = interp.run(closed, dyn, None, fed)
     outs = [R.cast_output(o, policy.output_dtype) for o in outs]
     unseen = sorted(own - interp.planner.finder.matched)
@@ -498,6 +543,15 @@ def autocast(
         f"jmp_scaler.autocast: rules names the function(s) {unseen} ('activation'), but "
         f"{_fun_name(fun)} calls no function of that name: check the spelling (the "
         "function's __name__); those ops are decided one by one", UserWarning, stacklevel=2)
+    for i, s in enumerate(scoped):
+      if i not in interp.matched:
+        seen = sorted(interp.paths)
+        warnings.warn(
+          f"jmp_scaler.autocast: rules[({s.name!r}, {s.pattern!r})] matched no {s.name} of "
+          f"{_fun_name(fun)}, whose {s.name} module paths are {seen[:20]}"
+          f"{' ...' if len(seen) > 20 else ''}: those run under rules[{s.name!r}] (flax "
+          "linen names its modules' scopes; elsewhere a jax.named_scope names one)",
+          UserWarning, stacklevel=2)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
   return _named_jit(body, fun, f"{AUTOCAST_MARK}[{policy}]({_fun_name(fun)})")

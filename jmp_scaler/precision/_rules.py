@@ -32,9 +32,10 @@ can rebuild the primitive (``jax.custom_jvp``, ``jax.custom_vjp``, ``lax.scan``,
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,11 +107,23 @@ DEFAULT_RULES: dict[str, str] = {
 }
 
 
-def rule_table(rules: Any) -> tuple[dict[str, str], AnyRecipe, dict[str, str], frozenset[str]]:
+class Scoped(NamedTuple):
+  """A rule for the equations of one primitive whose module path matches ``pattern``."""
+
+  name: str  # the primitive's
+  pattern: str
+  regex: re.Pattern
+  rule: str
+  recipe: AnyRecipe | None  # the recipe of the "fp8" rule, else None
+
+
+def rule_table(rules: Any) -> tuple[dict[str, str], AnyRecipe, dict[str, str], frozenset[str],
+                                    tuple[Scoped, ...]]:
   """:data:`DEFAULT_RULES` with the user's ``rules`` (primitive or name -> rule) over it:
   the primitives' table, the recipe of the ``"fp8"`` rule (``Fp8Recipe()`` unless a recipe
-  is the rule), the composites' table (function name -> rule) and the names of the
-  functions the user gave a rule.
+  is the rule), the composites' table (function name -> rule), the names of the functions
+  the user gave a rule, and the scoped rules (a key ``(primitive, pattern)``: the rule of
+  that primitive's equations whose module path ``re.search`` finds the pattern in).
 
   A name must be that of a primitive JAX (or any loaded module) defines, of one of jax.nn's
   activations (``"activation"``, ``"float32"`` or ``"primitives"``), or of a function of
@@ -123,8 +136,9 @@ def rule_table(rules: Any) -> tuple[dict[str, str], AnyRecipe, dict[str, str], f
   table = {k: v for k, v in DEFAULT_RULES.items() if k not in DEFAULT_COMPOSITES}
   composites, own = dict(DEFAULT_COMPOSITES), set()
   recipe: AnyRecipe = Fp8Recipe()
+  scoped: list[Scoped] = []
   if rules is None:
-    return table, recipe, composites, frozenset()
+    return table, recipe, composites, frozenset(), ()
   if not isinstance(rules, dict):
     raise ValueError(f"rules must be a dict from primitive (or its name) to a rule, got {rules!r}")
   for key, rule in rules.items():
@@ -137,33 +151,62 @@ def rule_table(rules: Any) -> tuple[dict[str, str], AnyRecipe, dict[str, str], f
       composites[key] = rule
       own.add(key)
       continue
-    if isinstance(key, str):
-      name = key
-      _check_known(name)
-      if rule == ACTIVATION:
+    if isinstance(key, tuple):
+      if len(key) != 2 or not isinstance(key[1], str) or isinstance(key[0], tuple):
         raise ValueError(
-          f"rules[{name!r}] is 'activation', which applies to functions (jax.nn.gelu, your "
-          "own activation by its __name__), not to primitives")
-    elif isinstance(key, Primitive):
-      name = key.name
-    else:
-      raise ValueError(f"rules keys must be primitives or primitive names, got {key!r}")
-    label = rule if isinstance(rule, str) else "fp8"
-    if isinstance(rule, str) and rule in BLOCK_RULES:
-      rule = BLOCK_RULES[rule]()
-    if isinstance(rule, (Fp8Recipe, MxFp8Recipe, Nvfp4Recipe)):
-      label = {MxFp8Recipe: "mxfp8", Nvfp4Recipe: "nvfp4"}.get(type(rule), "fp8")
-      rule, recipe = FP8, rule
-    if not isinstance(rule, str) or rule not in RULES:
-      raise ValueError(
-        f"rules[{name!r}] must be one of {RULES + tuple(BLOCK_RULES)} or a jmp_scaler."
-        f"Fp8Recipe, MxFp8Recipe or Nvfp4Recipe, got {rule!r}")
-    if rule == FP8 and name not in FP8_OPS:
-      raise ValueError(
-        f"rules[{name!r}] is {label!r}, which applies to {' and '.join(FP8_OPS)} only: "
-        "convolutions and other ops stay in the compute dtype (docs/fp8.md)")
+          f"rules key {key!r}: a scoped rule's key is (primitive or its name, pattern), the "
+          "pattern a regular expression searched in each equation's module path")
+      try:
+        regex = re.compile(key[1])
+      except re.error as e:
+        raise ValueError(f"rules key {key!r}: the pattern {key[1]!r} is not a regular "
+                         f"expression ({e})") from e
+      name = _primitive_name(key[0])
+      rule, own_recipe = _primitive_rule(name, rule, f"rules[{key!r}]")
+      scoped.append(Scoped(name, key[1], regex, rule, own_recipe))
+      continue
+    name = _primitive_name(key)
+    rule, own_recipe = _primitive_rule(name, rule, f"rules[{name!r}]")
+    if own_recipe is not None:
+      recipe = own_recipe
     table[name] = rule
-  return table, recipe, composites, frozenset(own)
+  return table, recipe, composites, frozenset(own), tuple(scoped)
+
+
+def _primitive_name(key: Any) -> str:
+  if isinstance(key, str):
+    _check_known(key)
+    return key
+  if isinstance(key, Primitive):
+    return key.name
+  raise ValueError(f"rules keys must be primitives or primitive names, got {key!r}")
+
+
+def _primitive_rule(name: str, rule: Any, where: str) -> tuple[str, AnyRecipe | None]:
+  """The rule ``rule`` of the primitive ``name`` (``where`` names it in errors), and its
+  recipe where the rule is the "fp8" one (a recipe object or "fp8", "mxfp8", "nvfp4")."""
+  if rule == ACTIVATION:
+    raise ValueError(
+      f"{where} is 'activation', which applies to functions (jax.nn.gelu, your own "
+      "activation by its __name__), not to primitives")
+  label = rule if isinstance(rule, str) else "fp8"
+  if isinstance(rule, str) and rule in BLOCK_RULES:
+    rule = BLOCK_RULES[rule]()
+  if rule == FP8:
+    rule = Fp8Recipe()
+  recipe = None
+  if isinstance(rule, (Fp8Recipe, MxFp8Recipe, Nvfp4Recipe)):
+    label = {MxFp8Recipe: "mxfp8", Nvfp4Recipe: "nvfp4"}.get(type(rule), "fp8")
+    rule, recipe = FP8, rule
+  if not isinstance(rule, str) or rule not in RULES:
+    raise ValueError(
+      f"{where} must be one of {RULES + tuple(BLOCK_RULES)} or a jmp_scaler."
+      f"Fp8Recipe, MxFp8Recipe or Nvfp4Recipe, got {rule!r}")
+  if rule == FP8 and name not in FP8_OPS:
+    raise ValueError(
+      f"{where} is {label!r}, which applies to {' and '.join(FP8_OPS)} only: "
+      "convolutions and other ops stay in the compute dtype (docs/fp8.md)")
+  return rule, recipe
 
 
 def known_primitives() -> set[str]:
