@@ -139,3 +139,22 @@ def test_a_pattern_that_matches_nothing_warns_naming_the_paths_there_are(linen):
 def test_bad_scoped_rules_raise_at_construction_naming_the_key(key, rule, match):
   with pytest.raises(ValueError, match=match):
     jmp_scaler.autocast(lambda w, x: x @ w, POLICY, rules={key: rule})
+
+
+def test_a_scoped_rule_of_an_elementwise_op_leaves_the_others_as_planned():
+  # autocast runs an op fed only to float32 ops (the sums) in float32; a scoped rule changes
+  # the equations in its scope only
+  def f(x):
+    with jax.named_scope("a"):
+      y = x * 3.0
+    with jax.named_scope("b"):
+      z = x * 5.0
+    return jnp.sum(y) + jnp.sum(z)
+
+  def mul_dtypes(fn):
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones((4, 4), jnp.float16)).jaxpr.eqns[0].params["jaxpr"]
+    return [str(e.outvars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "mul"]
+
+  assert mul_dtypes(jmp_scaler.autocast(f, "p=f32,c=f16,o=f32")) == ["float32", "float32"]
+  scoped = jmp_scaler.autocast(f, "p=f32,c=f16,o=f32", rules={("mul", "^b$"): "compute"})
+  assert mul_dtypes(scoped) == ["float32", "float16"]

@@ -230,8 +230,10 @@ class _Interpreter:
             fed_out: tuple | None) -> list:  # fmt: skip
     name = eqn.primitive.name
     recipe = self.recipe
-    if rule is None and self.scoped:
-      rule, recipe = self._scoped(eqn, name)
+    if self.scoped and not self._in_activation:  # the user's rule for this path wins
+      scoped, scoped_recipe = self._scoped(eqn, name)
+      if scoped is not None:
+        rule, recipe = scoped, scoped_recipe
     rule = rule or self.table.get(name)
     if rule == R.ORIGINAL:
       return self._original(eqn, args)
@@ -276,7 +278,8 @@ class _Interpreter:
 
   def _scoped(self, eqn: Any, name: str) -> tuple[str | None, R.AnyRecipe]:
     """The first scoped rule of ``name`` whose pattern is in ``eqn``'s module path, and its
-    recipe; (None, the recipe of ``rules``) if none."""
+    recipe; (None, the recipe of ``rules``) if none. It wins over the plan's float32 (the
+    plan's other decisions hold where no scoped rule matches)."""
     path = None
     for i, s in enumerate(self.scoped):
       if s.name != name:
@@ -522,7 +525,7 @@ def autocast(
   if not callable(fun):
     raise ValueError(f"fun must be callable, got {fun!r}")
   given = frozenset(k if isinstance(k, str) else k.name for k in (rules or {})
-                    if not isinstance(k, tuple)) - own | {s.name for s in scoped}
+                    if not isinstance(k, tuple)) - own
   interp = _Interpreter(policy, table, given, recipe, composites, own, scoped)
 
   def body(static, *dyn):
