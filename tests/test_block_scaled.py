@@ -213,6 +213,10 @@ def _grads(recipe, x, w, gout, out=F32):
   return (y, *vjp(jnp.asarray(gout, y.dtype)))
 
 
+def jit_grads(recipe, x, w, gout):
+  return fast_jit(_grads, static_argnums=0)(recipe, x, w, gout)
+
+
 @pytest.mark.parametrize("out", [F32, BF16])
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 def test_mxfp8_fprop_dgrad_wgrad_against_the_float64_oracle(rounding, out):
@@ -233,7 +237,7 @@ def test_mxfp8_hybrid_quantises_the_gradient_in_e5m2():
   x = RNG.standard_normal((32, 64)).astype(np.float32)
   w = RNG.standard_normal((64, 32)).astype(np.float32)
   g = (RNG.standard_normal((32, 32)) * 1e3).astype(np.float32)
-  _, dx, _ = _grads(jmp_scaler.MxFp8Recipe(fp8_format="hybrid"), x, w, g)
+  _, dx, _ = jit_grads(jmp_scaler.MxFp8Recipe(fp8_format="hybrid"), x, w, g)
   _within_rounding(dx, np_mx(g, ml_dtypes.float8_e5m2) @ np_mx(w).T, 32, F32)
 
 
@@ -276,9 +280,9 @@ def test_shapes_off_the_block_are_zero_padded_exactly(recipe):
   pad = lambda a, r, c: np.pad(a, ((0, r - a.shape[0]), (0, c - a.shape[1])))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    y, dx, dw = _grads(recipe, x, w, g)
+    y, dx, dw = jit_grads(recipe, x, w, g)
   up = lambda d: -(-d // recipe.block_size) * recipe.block_size  # the same padded shapes
-  yp, dxp, dwp = _grads(recipe, pad(x, up(m), up(k)), pad(w, up(k), up(n)), pad(g, up(m), up(n)))
+  yp, dxp, dwp = jit_grads(recipe, pad(x, up(m), up(k)), pad(w, up(k), up(n)), pad(g, up(m), up(n)))
   np.testing.assert_array_equal(y, yp[:m, :n])
   np.testing.assert_array_equal(dx, dxp[:m, :k])
   np.testing.assert_array_equal(dw, dwp[:k, :n])
@@ -289,13 +293,12 @@ def test_shapes_off_the_block_are_zero_padded_exactly(recipe):
 def test_non_finite_operands_give_non_finite_results_and_zeros_give_zeros(recipe):
   x = RNG.standard_normal((32, 64)).astype(np.float32)
   w = RNG.standard_normal((64, 32)).astype(np.float32)
+  dot = fast_jit(lambda x, w: jmp_scaler.block_scaled_dot_general(x, w, DN, recipe=recipe))
+  assert np.isfinite(np.asarray(dot(x, w))).all()
   for bad in (np.inf, np.nan):
-    y = jmp_scaler.block_scaled_dot_general(x, w.copy() * 1, DN, recipe=recipe)
-    assert np.isfinite(np.asarray(y)).all()
-    y = jmp_scaler.block_scaled_dot_general(np.where(np.arange(64) == 3, bad, x), w, DN,
-                                            recipe=recipe)
+    y = dot(np.where(np.arange(64) == 3, bad, x), w)
     assert not np.isfinite(np.asarray(y)).all()
-  y, dx, dw = _grads(recipe, np.zeros_like(x), w, np.ones((32, 32), np.float32))
+  y, dx, dw = jit_grads(recipe, np.zeros_like(x), w, np.ones((32, 32), np.float32))
   assert not np.asarray(y).any() and not np.asarray(dw).any() and np.isfinite(dx).all()
 
 
@@ -303,11 +306,13 @@ def test_batched_and_multi_dimensional_dots():
   a = RNG.standard_normal((2, 3, 16, 32)).astype(np.float32)
   b = RNG.standard_normal((2, 32, 5, 16)).astype(np.float32)
   dn = (((3,), (1,)), ((0,), (0,)))
-  y = jmp_scaler.block_scaled_dot_general(a, b, dn, recipe=jmp_scaler.MxFp8Recipe())
+  dot = fast_jit(jmp_scaler.block_scaled_dot_general, static_argnums=2,
+                 static_argnames="recipe")
+  y = dot(a, b, dn, recipe=jmp_scaler.MxFp8Recipe())
   want = np.einsum("bijk,bklm->bijlm", np_mx(a), np_mx(np.moveaxis(b, 1, -1)).transpose(0, 3, 1, 2))
   _within_rounding(y, want, 32, F32)
   # NVFP4: a batched right operand is no weight: 1x16 blocks along K, never 16x16 tiles.
-  y = jmp_scaler.block_scaled_dot_general(a, b, dn, recipe=jmp_scaler.Nvfp4Recipe())
+  y = dot(a, b, dn, recipe=jmp_scaler.Nvfp4Recipe())
   bt = np.moveaxis(b, 1, -1).reshape(2, 80, 32)  # [batch, l*m, k], the op's canonical form
   want = np.einsum("bijk,blk->bijl", np_nv(a.reshape(2, 48, 32)).reshape(a.shape), np_nv(bt))
   _within_rounding(y, want.reshape(2, 3, 16, 5, 16), 32, F32)
@@ -338,21 +343,31 @@ def _mlp(p, x):
   return jnp.mean((_net(p, x) - 1.0) ** 2)
 
 
-def test_autocast_rules_mxfp8_and_nvfp4_bind_the_block_scaled_op_and_train():
+def _rules_and_net():
   p = {"w1": jnp.asarray(RNG.standard_normal((32, 64)) / 6, jnp.float32),
        "w2": jnp.asarray(RNG.standard_normal((64, 16)) / 8, jnp.float32)}
   x = jnp.asarray(RNG.standard_normal((48, 32)), jnp.float32)
   for rule in ("mxfp8", "nvfp4", jmp_scaler.Nvfp4Recipe(random_hadamard=False)):
     net = jmp_scaler.autocast(_net, "p=f32,c=bf16,o=f32", rules={"dot_general": rule})
-    f = lambda p, x, net=net: jnp.mean((net(p, x).astype(jnp.float32) - 1.0) ** 2)
+    yield rule, net, p, x
+
+
+def test_autocast_rules_mxfp8_and_nvfp4_bind_the_block_scaled_op():
+  for rule, net, p, x in _rules_and_net():
     recipe = jmp_scaler.MxFp8Recipe() if rule == "mxfp8" else (
       rule if not isinstance(rule, str) else jmp_scaler.Nvfp4Recipe())
     bsd = functools.partial(jmp_scaler.block_scaled_dot_general, recipe=recipe,
                             preferred_element_type=jnp.bfloat16)
     # the rule quantises the operands as they come (float32 here), the result in bfloat16
-    h = jax.nn.relu(bsd(x, p["w1"], DN))
-    np.testing.assert_array_equal(net(p, x), bsd(h, p["w2"], DN))
-    step = jax.jit(lambda p, f=f: jax.tree.map(lambda a, g: a - 0.2 * g, p, jax.grad(f)(p, x)))
+    by_hand = fast_jit(lambda p, x, bsd=bsd: bsd(jax.nn.relu(bsd(x, p["w1"], DN)), p["w2"], DN))
+    np.testing.assert_array_equal(fast_jit(net)(p, x), by_hand(p, x))
+
+
+@pytest.mark.slow  # compiles and runs a training step per rule
+def test_autocast_rules_mxfp8_and_nvfp4_train():
+  for _, net, p, x in _rules_and_net():
+    f = lambda p, x, net=net: jnp.mean((net(p, x).astype(jnp.float32) - 1.0) ** 2)
+    step = jax.jit(lambda p, f=f, x=x: jax.tree.map(lambda a, g: a - 0.2 * g, p, jax.grad(f)(p, x)))
     q = p
     for _ in range(30):
       q = step(q)
