@@ -158,3 +158,19 @@ def test_a_scoped_rule_of_an_elementwise_op_leaves_the_others_as_planned():
   assert mul_dtypes(jmp_scaler.autocast(f, "p=f32,c=f16,o=f32")) == ["float32", "float32"]
   scoped = jmp_scaler.autocast(f, "p=f32,c=f16,o=f32", rules={("mul", "^b$"): "compute"})
   assert mul_dtypes(scoped) == ["float32", "float16"]
+
+
+def test_the_no_match_warning_lists_the_paths_of_its_own_primitive():
+  def f(w, x):
+    with jax.named_scope("proj"):
+      h = x @ w
+    with jax.named_scope("scale"):
+      return jnp.sum(h * 2.0)
+
+  g = jmp_scaler.autocast(f, POLICY, rules={("mul", "^proj$"): "compute",
+                                            ("dot_general", "^proj$"): "float32"})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.make_jaxpr(g)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+  msgs = [str(w.message) for w in caught if "matched no" in str(w.message)]
+  assert msgs == [msgs[0]] and "('mul', '^proj$')" in msgs[0] and "['scale']" in msgs[0]

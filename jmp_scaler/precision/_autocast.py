@@ -92,7 +92,7 @@ class _Interpreter:
     self.scoped = tuple(scoped)
     self._path: list[str] = []  # the name stacks of the calls being run, outermost first
     self.matched: set[int] = set()  # the scoped rules that matched an equation (by index)
-    self.paths: set[str] = set()  # the module paths of the scoped rules' primitives
+    self.paths: dict[str, set[str]] = {}  # a scoped rule's primitive -> its module paths
     self._in_activation = False
     self._bodies: dict[Any, Callable] = {}
     finder = Finder(composites or {}, own)
@@ -231,9 +231,8 @@ class _Interpreter:
     name = eqn.primitive.name
     recipe = self.recipe
     if self.scoped and not self._in_activation:  # the user's rule for this path wins
-      scoped, scoped_recipe = self._scoped(eqn, name)
-      if scoped is not None:
-        rule, recipe = scoped, scoped_recipe
+      if (scoped := self._scoped(eqn, name)) is not None:
+        rule, recipe = scoped.rule, scoped.recipe or recipe
     rule = rule or self.table.get(name)
     if rule == R.ORIGINAL:
       return self._original(eqn, args)
@@ -276,21 +275,20 @@ class _Interpreter:
     finally:
       self._path.pop()
 
-  def _scoped(self, eqn: Any, name: str) -> tuple[str | None, R.AnyRecipe]:
-    """The first scoped rule of ``name`` whose pattern is in ``eqn``'s module path, and its
-    recipe; (None, the recipe of ``rules``) if none. It wins over the plan's float32 (the
-    plan's other decisions hold where no scoped rule matches)."""
+  def _scoped(self, eqn: Any, name: str) -> R.Scoped | None:
+    """The first scoped rule of ``name`` whose pattern is in ``eqn``'s module path, if any.
+    It wins over the plan's float32 (the plan's other decisions hold where none matches)."""
     path = None
     for i, s in enumerate(self.scoped):
       if s.name != name:
         continue
       if path is None:
         path = S.module_path((*self._path, S.name_stack(eqn)))
-        self.paths.add(path)
+        self.paths.setdefault(name, set()).add(path)
       if s.regex.search(path):
         self.matched.add(i)
-        return s.rule, s.recipe if s.recipe is not None else self.recipe
-    return None, self.recipe
+        return s
+    return None
 
   def _fp8(self, eqn: Any, args: list, cast: Callable, recipe: R.AnyRecipe) -> list:
     """A ``dot_general`` as :func:`fp8_dot_general`, its result in the compute rule's dtype.
@@ -548,7 +546,7 @@ def autocast(
         "function's __name__); those ops are decided one by one", UserWarning, stacklevel=2)
     for i, s in enumerate(scoped):
       if i not in interp.matched:
-        seen = sorted(interp.paths)
+        seen = sorted(interp.paths.get(s.name, ()))
         warnings.warn(
           f"jmp_scaler.autocast: rules[({s.name!r}, {s.pattern!r})] matched no {s.name} of "
           f"{_fun_name(fun)}, whose {s.name} module paths are {seen[:20]}"
