@@ -102,6 +102,13 @@ def factor(name: str, value: Any, *, above_one: bool) -> float:
   return stored
 
 
+def boolean(name: str, value: Any) -> bool:
+  """``value`` as a Python bool, if it is ``True`` or ``False`` (a NumPy bool included)."""
+  if not isinstance(value, bool | np.bool_):
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+  return bool(value)
+
+
 def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
   """``value`` if it is one of ``choices``."""
   if isinstance(value, Hashable) and value in choices:

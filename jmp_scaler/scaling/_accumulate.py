@@ -23,6 +23,7 @@ from jmp_scaler._leaves import is_floating, math_dtype, row_major
 from jmp_scaler.scaling._lookup import find_scale_state, replace_scale_state
 from jmp_scaler.scaling._scaler import (
   FINITE_KEY,
+  SCALED_BY_KEY,
   LossScaleState,
   decision,
   next_state,
@@ -165,9 +166,10 @@ def accumulate_gradients(
 
   def update_fn(updates, state, params=None, **extra_args):
     extra_args = dict(extra_args)
-    updates = row_major(updates)  # read in order by the check and the sum
     scaler = find_scale_state(state.inner_state)
     ref = scaler if scaler is not None else no_scale().init(None)
+    raw = updates  # as the step computed them: the scaler checks that they were scaled
+    updates = row_major(updates)  # read in order by the check and the sum
     finite = jnp.asarray(decision(updates, ref, extra_args), jnp.bool_)
     extra_args.pop(FINITE_KEY, None)  # the inner chain gets this window's decision instead
     pre, inv = reciprocal(ref.scale)  # two normal factors: exact up to the largest scale
@@ -200,9 +202,8 @@ def accumulate_gradients(
       if scaler is not None:
         unit = scaler._replace(scale=jnp.ones([], jnp.float32))
         inner_state = replace_scale_state(inner_state, unit)
-      out, inner_state = inner.update(
-          mean, inner_state, params, **{**extra_args, FINITE_KEY: True}
-      )
+      out, inner_state = inner.update(mean, inner_state, params, **{
+          **extra_args, FINITE_KEY: True, SCALED_BY_KEY: (raw, ref.scale)})
       if scaler is not None:
         inner_state = replace_scale_state(inner_state, _window_scaler(scaler, overflowed))
       return out, inner_state

@@ -21,6 +21,7 @@ from flax import struct
 
 from jmp_scaler import _validation as validation
 from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, one_cpu_device, row_major
+from jmp_scaler.jaxcompat._tracing import reaches
 from jmp_scaler.scaling._position import check_head
 
 _F32 = validation.F32
@@ -35,6 +36,10 @@ DEFAULT_MAX_SCALE = float(_F32.max)
 #: :func:`jmp_scaler.skip_nonfinite` hand their finiteness decision to the
 #: scaler inside ``tx.update`` (so the gradients are read once, not twice).
 FINITE_KEY = "jmp_scaler_all_finite"
+#: Extra-argument name through which :func:`jmp_scaler.accumulate_gradients` hands the
+#: scaler, with the unscaled mean of a window, the micro-batch gradients it was given and
+#: the scale it unscaled them by: what the check of scaled gradients reads.
+SCALED_BY_KEY = "jmp_scaler_scaled_by"
 
 
 class ScaleConfig(struct.PyTreeNode):
@@ -121,7 +126,7 @@ class LossScaler(optax.GradientTransformationExtraArgs):
 _DEFAULTS: dict[str, Any] = dict(
     growth_factor=2.0, backoff_factor=0.5, min_scale=float(np.float32(DEFAULT_MIN_SCALE)),
     max_scale=float(np.float32(DEFAULT_MAX_SCALE)), hysteresis=1, skip_mode="auto",
-    axis_name=None)
+    axis_name=None, check_scaled=True)
 
 
 def _describe(name: str, kwargs: dict[str, Any], bare: bool, first: bool = True) -> str:
@@ -147,13 +152,11 @@ def _transformation(
     hysteresis: int,
     axis_name: Hashable | None,
     skip_mode: str,
-    bare: bool = False,
+    bare: bool,
+    check: bool,
     description: str,
 ) -> LossScaler:
-  """Builds the transformation from validated values (and checks ``bare``)."""
-  if not isinstance(bare, bool | np.bool_):
-    raise ValueError(f"bare must be True or False, got {bare!r}")
-  bare = bool(bare)
+  """Builds the transformation from validated values."""
   validation.warn_on_fast_math(stacklevel=4)
 
   def init_fn(params):
@@ -182,10 +185,12 @@ def _transformation(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params
     refuse_partial_updates(updates)
-    updates = row_major(updates)  # a no-op where a wrapper did it already
     decided = extra_args.get(FINITE_KEY)
+    if check:  # the gradients as the step computed them, and the scale the step read
+      grads, scale = extra_args.get(SCALED_BY_KEY, (updates, state.scale))
+      check_scaled(grads, scale, params)
+    updates = row_major(updates)  # a no-op where a wrapper did it already
     if decided is None and not bare and not _BARE_WARNED:
       _BARE_WARNED.append(True)
       warnings.warn(BARE_WARNING, UserWarning, stacklevel=3)
@@ -216,6 +221,7 @@ def dynamic_scale(
     axis_name: Hashable | None = None,
     skip_mode: str = "auto",
     bare: bool = False,
+    check_scaled: bool = True,
 ) -> LossScaler:
   """Dynamic loss scaling, step for step PyTorch's ``torch.amp.GradScaler``.
 
@@ -283,6 +289,14 @@ def dynamic_scale(
       or ``nnx.Optimizer``, no exact-skip wrapper): silences the warning that
       the first bare update gives otherwise (once per process). Static
       configuration, not state.
+    check_scaled: check, when the step is traced, that the gradients handed to
+      the scaler were computed from the loss times its scale: gradients
+      computed in the jitted step from the parameters but not from the scale
+      (``jax.grad`` or ``nnx.value_and_grad`` of the unscaled loss, a
+      trainer's own step) raise a ``ValueError`` at the first trace, since the
+      scaler would divide them by 2**16 (docs/scaler.md, "Gradients that were
+      never scaled"). ``False`` turns the check off, for gradients scaled by a
+      route it cannot follow. Static configuration, not state.
 
   Returns:
     A :class:`LossScaler` (an ``optax.GradientTransformationExtraArgs`` whose
@@ -333,11 +347,12 @@ def dynamic_scale(
       hysteresis=validation.integer("hysteresis", hysteresis, 1),
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
-      bare=bare,
+      bare=validation.boolean("bare", bare),
+      check=validation.boolean("check_scaled", check_scaled),
       description=_describe("dynamic_scale", dict(
           init_scale=init, growth_interval=interval, growth_factor=growth,
           backoff_factor=backoff, min_scale=lo, max_scale=hi, hysteresis=hysteresis,
-          skip_mode=skip_mode, axis_name=axis_name), bare),
+          skip_mode=skip_mode, axis_name=axis_name, check_scaled=check_scaled), bare),
   )
 
 
@@ -347,6 +362,7 @@ def fixed_scale(
     axis_name: Hashable | None = None,
     skip_mode: str = "auto",
     bare: bool = False,
+    check_scaled: bool = True,
 ) -> LossScaler:
   """A constant loss scale, with the same state as :func:`dynamic_scale`.
 
@@ -360,6 +376,7 @@ def fixed_scale(
     axis_name: as in :func:`dynamic_scale`.
     skip_mode: as in :func:`dynamic_scale`.
     bare: as in :func:`dynamic_scale`.
+    check_scaled: as in :func:`dynamic_scale` (a scale of 1 has nothing to check).
 
   Returns:
     A :class:`LossScaler` (an ``optax.GradientTransformationExtraArgs`` whose
@@ -367,12 +384,13 @@ def fixed_scale(
     :class:`LossScaleState`.
   """
   s = validation.positive_f32("scale", scale)
-  description = _describe(
-      "fixed_scale", dict(scale=s, skip_mode=skip_mode, axis_name=axis_name), bare)
-  return _fixed(s, axis_name, skip_mode, bare, description)
+  check = validation.boolean("check_scaled", check_scaled)
+  description = _describe("fixed_scale", dict(
+      scale=s, skip_mode=skip_mode, axis_name=axis_name, check_scaled=check), bare)
+  return _fixed(s, axis_name, skip_mode, bare, check and s != 1.0, description)
 
 
-def _fixed(s: float, axis_name: Hashable | None, skip_mode: str, bare: bool,
+def _fixed(s: float, axis_name: Hashable | None, skip_mode: str, bare: bool, check: bool,
            description: str) -> LossScaler:
   """The constant scale ``s`` (validated), for :func:`fixed_scale` and :func:`no_scale`."""
   return _transformation(
@@ -385,7 +403,8 @@ def _fixed(s: float, axis_name: Hashable | None, skip_mode: str, bare: bool,
       hysteresis=1,
       axis_name=validation.axis_name(axis_name),
       skip_mode=validation.one_of("skip_mode", skip_mode, SKIP_MODES),
-      bare=bare,
+      bare=validation.boolean("bare", bare),
+      check=check,
       description=description,
   )
 
@@ -400,7 +419,51 @@ def no_scale(
   """
   description = _describe(
       "no_scale", dict(skip_mode=skip_mode, axis_name=axis_name), bare, first=False)
-  return _fixed(1.0, axis_name, skip_mode, bare, description)
+  return _fixed(1.0, axis_name, skip_mode, bare, False, description)
+
+
+UNSCALED = (
+  "the loss scaler was handed gradients of the unscaled loss: they were computed from the "
+  "parameters but not from the loss scale (jax.grad, nnx.value_and_grad or a framework's own "
+  "train step, with no '* scale'). The scaler divides them by its scale (2**16 at the start), "
+  "so every update would be that many times too small, and float16 gradients underflow "
+  "unscaled. Take the gradients with jmp_scaler.value_and_grad(loss_fn, state)(...) (state: "
+  "the TrainState, the NNX optimizer or the opt_state), or multiply the loss by "
+  "jmp_scaler.get_scale(opt_state) (TrainState.loss_scale, NNXOptimizer.loss_scale) before "
+  "differentiating. A trainer that computes its own gradients from the unscaled loss needs "
+  "its loss scaled, or jmp_scaler.no_scale() (bfloat16, float32) in place of the scaler. If "
+  "these gradients are scaled by a route this check cannot follow, pass check_scaled=False "
+  "to the scaler's factory."
+)
+
+
+def check_scaled(grads: Any, scale: Any, params: Any) -> None:
+  """Raises ``ValueError`` if ``grads`` were certainly computed from ``params`` without ``scale``.
+
+  Gradients of the *unscaled* loss (``jax.grad``, ``nnx.value_and_grad`` or a framework's
+  own train step, with no ``* scale``) would be divided by the scale (2^16 at the start):
+  updates 65536 times too small, which Adam hides (its update hardly depends on the
+  gradients' size), and float16 gradients that underflowed before the scaler saw them. The
+  scale is a value of the optimizer state, so gradients of the scaled loss are computed from
+  it: when the step is traced, the walk back from the gradients
+  (:func:`jmp_scaler.jaxcompat._tracing.reaches`) tells. It raises only when it is certain:
+  the gradients were computed in the traced step from ``params`` (the parameters the
+  optimizer was handed) and not from ``scale`` (the state's own leaf, the object the step
+  read). Gradients that are inputs of the traced function (computed by another jitted
+  function), made up or read back from an accumulator (not computed from the parameters),
+  concrete arrays (an eager step), or ``params=None``: nothing can be said, nothing is
+  (docs/scaler.md, "Gradients that were never scaled").
+
+  Called by the scaler's update, once per trace; under an exact-skip wrapper that update is
+  traced with the gradients and state the wrapper was handed (closed over by its
+  ``make_jaxpr``), and under ``accumulate_gradients`` it is handed each micro-batch's
+  gradients and scale (:data:`SCALED_BY_KEY`).
+  """
+  if params is None:
+    return
+  reach = reaches(floating_leaves(grads), scale, floating_leaves(params))
+  if reach.known and reach.others and not reach.target:
+    raise ValueError(UNSCALED)
 
 
 # --------------------------------------------------------------------------
