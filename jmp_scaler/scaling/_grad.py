@@ -90,7 +90,9 @@ def value_and_grad(
       ``batch_stats``) is returned untouched.
 
   Returns:
-    A function with ``fun``'s arguments returning ``(loss, grads)`` or
+    A function with ``fun``'s arguments (keyword arguments pass to ``fun`` as
+    they are, on every path: ``loss_fn(model, **inputs)`` as tunix calls it;
+    the differentiated ones are positional, as in JAX) returning ``(loss, grads)`` or
     ``((loss, aux), grads)``; ``grads`` has the differentiated argument's
     structure (a tuple of them for a tuple ``argnums``), ``None`` at the
     leaves that are not inexact arrays.
@@ -119,7 +121,7 @@ def value_and_grad(
   if len(set(nums)) != len(nums):
     raise ValueError(f"argnums must name each argument once, got {argnums!r}")
 
-  def scaled(scale, *args, **kwargs):
+  def scaled(scale, /, *args, **kwargs):  # positional-only: `fun` may take a `scale=` of its own
     out = fun(*args, **kwargs)
     loss, aux = out if has_aux else (out, None)
     if not (hasattr(loss, "shape") and jnp.shape(loss) == ()) and not isinstance(loss, float):
@@ -134,14 +136,25 @@ def value_and_grad(
     scale = _scale_of(scale_from)  # read once, outside the differentiated function
     first = argnums if isinstance(argnums, int) else argnums[0]
     if max(nums) >= len(args):
-      raise ValueError(f"argnums={argnums!r} but fun was called with {len(args)} arguments")
+      by_name = f" and keyword arguments {', '.join(kwargs)}" if kwargs else ""
+      raise ValueError(
+          f"argnums={argnums!r} names a positional argument, but fun was called with "
+          f"{len(args)} positional arguments{by_name}: pass the differentiated argument(s) "
+          "by position, as jax.value_and_grad requires")
     if isinstance(args[first], nnx.Module):
       if not isinstance(argnums, int):
         raise ValueError(f"argnums must be one integer for an NNX module, got {argnums!r}")
       wrt = getattr(scale_from, "wrt", nnx.Param)
       shifted = nnx.DiffState(argnums + 1, wrt)
-      grad_fn = nnx.value_and_grad(scaled, argnums=shifted, has_aux=True)
-      (_, (loss, aux)), grads = grad_fn(scale, *args, **kwargs)
+
+      # nnx.value_and_grad resolves keyword arguments to positions by the signature of the
+      # function it is given; ``scaled`` has none, so they are bound here (tunix calls its
+      # loss as ``loss_fn(model, **inputs)``). They are not differentiated, as in JAX.
+      def positional(scale, /, *args):
+        return scaled(scale, *args, **kwargs)
+
+      grad_fn = nnx.value_and_grad(positional, argnums=shifted, has_aux=True)
+      (_, (loss, aux)), grads = grad_fn(scale, *args)
       return ((loss, aux) if has_aux else loss), grads
     # Differentiate the inexact array leaves of each argument; every other leaf (a Python
     # number, a string, a function, an integer array) is held as it is, as equinox does.
