@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -566,14 +567,45 @@ def full_precision(fun: Callable) -> Callable:
   included. The region is a ``jit`` named ``jmp_full_precision(<name>)`` in
   the jaxpr. Used alone it changes nothing but the casts of its arguments.
 
+  ``fun`` may be a flax module, or a method of one, called where the plain
+  module would be:
+
+  * linen: a submodule inside the parent's ``nn.compact`` method (or one
+    assigned in ``setup``), ``full_precision(nn.Dense(10, name="head"))(x)``
+    or ``full_precision(self.embed.attend)(x)``. ``init`` runs it as the plain
+    module (the same variables, values included); ``apply`` runs it as a
+    ``nn.jit`` (flax's lifted ``jax.jit``), so its variables, mutable
+    collections (``batch_stats``) and random streams (``dropout``) go in and
+    out as the plain module's do, and gradients flow through it. A random
+    stream draws other (equally random) numbers inside the region than
+    outside: flax's lifted ``jit`` forks it.
+  * NNX: a module or a method of one, ``full_precision(self.head)(x)``, under
+    ``nnx.jit``, ``nnx.value_and_grad`` or :func:`autocast` of a function of
+    its state (docs/autocast.md, "Flax"). Its state goes through the ``jit``
+    and the variables the call changes (``BatchNorm``'s statistics in
+    training, an ``nnx.Rngs`` count) are written back, as are those of NNX
+    objects among the arguments (``rngs=``).
+
+  Its ``dtype`` fields still apply: a module with ``dtype=jnp.float16`` (set by
+  hand or by :func:`jmp_scaler.autocast_nnx`) computes in float16 in the
+  region too. A function that closes over a linen submodule cannot be a region
+  (the variables created inside a ``jit`` would leak out as tracers): it is
+  refused; pass the module itself, or keep the model as it is and give
+  :func:`autocast` a scoped rule, ``rules={("dot_general", r"head"):
+  "float32"}``.
+
   Args:
-    fun: the function to keep in full precision.
+    fun: the function, flax module or module method to keep in full precision.
 
   Returns:
     The wrapped function.
 
   Raises:
-    ValueError: if ``fun`` is not callable.
+    ValueError: if ``fun`` is not callable; naming the module and the scoped
+      rule to use instead, for a linen module that is not bound to a parent
+      (created outside a module, or in ``setup`` without being assigned), for
+      a function that closes over a linen submodule, and (when called) for
+      one given a linen submodule as an argument.
 
   Examples:
     >>> import jax.numpy as jnp, jmp_scaler
@@ -582,15 +614,256 @@ def full_precision(fun: Callable) -> Callable:
     ...   return jmp_scaler.full_precision(jnp.dot)(x, w) + (x @ w)
     >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
     dtype('float32')
+
+    Around a linen submodule, whose matmul is then the only float32 one:
+
+    >>> import jax, flax.linen as nn
+    >>> class Model(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return jmp_scaler.full_precision(nn.Dense(2, name="head"))(nn.Dense(4)(x))
+    >>> model, x = Model(), jnp.ones((1, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> jax.tree.map(jnp.shape, variables["params"]["head"])
+    {'bias': (2,), 'kernel': (4, 2)}
+    >>> apply16 = jmp_scaler.autocast(model.apply, "p=f32,c=f16,o=f32")
+    >>> body = jax.make_jaxpr(apply16)(variables, x).eqns[0].params["jaxpr"]
+    >>> [str(e.outvars[0].aval.dtype) for e in body.eqns if e.primitive.name == "dot_general"]
+    ['float16']
+    >>> [e.params["name"] for e in body.eqns if e.primitive.name == "jit"]
+    ['jmp_full_precision(Dense)']
   """
   if not callable(fun):
     raise ValueError(f"fun must be callable, got {fun!r}")
+  owner = _module_of(fun)
+  if owner is not None:
+    module, method = owner
+    if _is_linen(module):
+      return _linen_region(fun, module, method)
+    return _nnx_region(fun, module, method)
+  _refuse_captured_linen(fun)
 
   def body(static, *dyn):
     args, kwargs = static.rebuild([_widen(x) for x in dyn])
     return fun(*args, **kwargs)
 
-  return _named_jit(body, fun, f"{FULL_PRECISION_MARK}({_fun_name(fun)})")
+  plain = _named_jit(body, fun, f"{FULL_PRECISION_MARK}({_fun_name(fun)})")
+  stateful: list[Callable] = []  # made at the first call given NNX objects
+
+  @functools.wraps(fun)
+  def wrapper(*args, **kwargs):
+    objects = _flax_objects((args, kwargs))
+    if not objects:
+      return plain(*args, **kwargs)
+    for x in objects:
+      if _is_linen(x):
+        _refuse_linen_argument(fun, x)
+    if not stateful:
+      stateful.append(_nnx_region(fun, None, None))
+    return stateful[0](*args, **kwargs)
+
+  return wrapper
+
+
+# ------------------------------------------------ full-precision regions of flax modules
+#
+# A jax.jit boundary inside a flax module leaks what the module writes inside it: a linen
+# scope's new variables (init) and updated collections, an NNX variable's new value, as
+# tracers of the finished trace. So a module's region carries its variables through the jit:
+# linen's own lifted jit (nn.jit) on a function named like the region, NNX's split state in
+# and the changed variables out (nnx.update). flax is looked up in sys.modules: a flax object
+# exists only once flax is imported, and importing jmp_scaler imports no more of it.
+
+
+def _linen() -> Any:
+  return sys.modules.get("flax.linen")
+
+
+def _nnx() -> Any:
+  return sys.modules.get("flax.nnx")
+
+
+def _is_linen(x: Any) -> bool:
+  nn = _linen()
+  return nn is not None and isinstance(x, nn.Module)
+
+
+def _is_nnx(x: Any) -> bool:
+  """Whether ``x`` is an NNX object with state: a module, ``nnx.Rngs``, a variable."""
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def _is_variable(x: Any) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _module_of(fun: Any) -> tuple[Any, str] | None:
+  """``(module, method name)`` for a flax module or a method bound to one; else None."""
+  if _is_linen(fun) or (_is_nnx(fun) and not _is_variable(fun)):
+    return fun, "__call__"
+  owner = getattr(fun, "__self__", None)
+  if (_is_linen(owner) or _is_nnx(owner)) and hasattr(fun, "__name__"):
+    return owner, fun.__name__
+  return None
+
+
+def _flax_objects(tree: Any) -> list:
+  """The linen modules and NNX objects among the leaves of ``tree`` (NNX modules are
+  pytrees: each is taken whole)."""
+  leaves = jax.tree.leaves(tree, is_leaf=_is_nnx)
+  return [x for x in leaves if _is_nnx(x) or _is_linen(x)]
+
+
+def _module_name(module: Any) -> str:
+  return getattr(module, "name", None) or type(module).__name__
+
+
+def _scoped_rule(module: Any) -> str:
+  """The scoped rule that keeps ``module``'s matmuls in float32 (its name is in its path)."""
+  name = _module_name(module)
+  if _is_linen(module) and module.scope is None:
+    name = "<the module's name>"  # not named yet: the path holds the name it will get
+  return f'rules={{("dot_general", r"{name}"): "float32"}}'
+
+
+def _region_name(module: Any, method: str) -> str:
+  kind = type(module).__name__
+  return f"{FULL_PRECISION_MARK}({kind if method == '__call__' else f'{kind}.{method}'})"
+
+
+def _named_like(wrapper: Callable, fun: Any) -> Callable:
+  """``wrapper`` with ``fun``'s name and docstring (a module's class's), ``fun`` as its
+  ``__wrapped__``; nothing of a module's own attributes."""
+  functools.update_wrapper(wrapper, fun, ("__module__", "__name__", "__qualname__", "__doc__"), ())
+  if not hasattr(fun, "__name__"):
+    wrapper.__name__ = wrapper.__qualname__ = type(fun).__name__
+  return wrapper
+
+
+def _flat_call(args: tuple, kwargs: dict) -> list:
+  """``[static, *arrays]`` of a call, as :func:`_named_jit` passes them to its ``jit``."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  mask = tuple(_dynamic(x) for x in leaves)
+  static = _Static(treedef, mask, tuple(x for x, m in zip(leaves, mask, strict=True) if not m))
+  return [static, *(x for x, m in zip(leaves, mask, strict=True) if m)]
+
+
+def _refuse_captured_linen(fun: Any) -> None:
+  """Raises for a function that closes over (or is a partial of) a bound linen module."""
+  seen: list = []
+  f = fun
+  while isinstance(f, functools.partial):
+    seen += [*f.args, *f.keywords.values()]
+    f = f.func
+  seen += [c.cell_contents for c in getattr(f, "__closure__", None) or () if _has_contents(c)]
+  seen += [*(getattr(f, "__defaults__", None) or ()),
+           *(getattr(f, "__kwdefaults__", None) or {}).values()]  # fmt: skip
+  for x in seen:
+    if _is_linen(x) and (x.scope is not None or _is_linen(x.parent)):
+      raise ValueError(
+        f"jmp_scaler.full_precision({_fun_name(fun)}) closes over the flax linen module "
+        f"{_module_name(x)!r} ({type(x).__name__}): a jit inside a linen module cannot create "
+        "or update its variables (they would leak out as tracers). Pass the module, or a "
+        "method of it, instead of a function that calls it (jmp_scaler.full_precision("
+        "self.head)(x), jmp_scaler.full_precision(self.embed.attend)(x)), or keep the model "
+        f"as it is and give jmp_scaler.autocast the scoped rule {_scoped_rule(x)}"
+      )
+
+
+def _has_contents(cell: Any) -> bool:
+  try:
+    cell.cell_contents  # noqa: B018
+  except ValueError:  # an empty cell: a variable not assigned yet
+    return False
+  return True
+
+
+def _refuse_linen_argument(fun: Any, module: Any) -> None:
+  raise ValueError(
+    f"jmp_scaler.full_precision({_fun_name(fun)}) was given the flax linen module "
+    f"{_module_name(module)!r} ({type(module).__name__}) as an argument: a jit inside a linen "
+    "module cannot create or update its variables (they would leak out as tracers). Pass the "
+    "module, or a method of it, instead of a function that calls it (jmp_scaler.full_precision("
+    "self.head)(x), jmp_scaler.full_precision(self.embed.attend)(x)), or keep the model as it "
+    f"is and give jmp_scaler.autocast the scoped rule {_scoped_rule(module)}"
+  )
+
+
+def _linen_region(fun: Any, module: Any, method: str) -> Callable:
+  """A linen module's method as a region: the plain call under ``init`` (the plain module's
+  variables, values included), ``nn.jit`` of a function named like the region otherwise."""
+  if module.scope is None:
+    where = ("created in setup without being assigned to an attribute; assign it "
+             f"(self.head = {type(module).__name__}(...)) and wrap it where it is called, "
+             "jmp_scaler.full_precision(self.head)(x)" if _is_linen(module.parent) else
+             "not bound to a parent module (created outside a module's setup or compact "
+             "method); wrap a submodule inside the parent's method, or what runs the whole "
+             "model: jmp_scaler.full_precision(model.apply)")  # fmt: skip
+    raise ValueError(
+      f"jmp_scaler.full_precision({type(module).__name__}): the flax linen module "
+      f"{_module_name(module)!r} is {where}; or keep the model as it is and give "
+      f"jmp_scaler.autocast the scoped rule {_scoped_rule(module)}"
+    )
+  nn = _linen()
+
+  def run(mdl, static, *dyn):
+    args, kwargs = static.rebuild([_widen(x) for x in dyn])
+    return getattr(mdl, method)(*args, **kwargs)
+
+  run.__name__ = run.__qualname__ = _region_name(module, method)
+  lifted = nn.jit(run, static_argnums=1)
+
+  def wrapper(*args, **kwargs):
+    if module.is_initializing():
+      return getattr(module, method)(*args, **kwargs)
+    return lifted(module, *_flat_call(args, kwargs))
+
+  return _named_like(wrapper, fun)
+
+
+def _nnx_region(fun: Any, module: Any, method: str | None) -> Callable:
+  """``module.method(*args, **kwargs)`` (``fun(*args, **kwargs)`` when ``module`` is None)
+  as a region: the state of the module and of the NNX objects among the arguments goes in,
+  the variables the call changes (or creates) come out and are written back."""
+  nnx = _nnx()
+
+  def call(mdl, args, kwargs):
+    return fun(*args, **kwargs) if method is None else getattr(mdl, method)(*args, **kwargs)
+
+  def body(static, *dyn):
+    (graphdef, state), _ = static.rebuild(dyn)
+    node = nnx.merge(graphdef, state)
+    before = {p: _value(v) for p, v in nnx.to_flat_state(nnx.state(node))}
+    mdl, args, kwargs = node
+    args, kwargs = jax.tree.map(lambda x: x if _is_nnx(x) else _widen(x), (args, kwargs),
+                                is_leaf=_is_nnx)  # fmt: skip
+    out = call(mdl, args, kwargs)
+    changed = [(p, v) for p, v in nnx.to_flat_state(nnx.state(node))
+               if isinstance(v, nnx.Variable) and before.get(p, _UNSET) is not _value(v)]
+    return out, nnx.from_flat_state(changed)
+
+  name = (_region_name(module, method) if method is not None else
+          f"{FULL_PRECISION_MARK}({_fun_name(fun)})")  # fmt: skip
+  jitted = _named_jit(body, body, name)
+
+  def wrapper(*args, **kwargs):
+    node = (module, args, kwargs)
+    graphdef, state = nnx.split(node)
+    out, changed = jitted(graphdef, state)
+    nnx.update(node, changed)
+    return out
+
+  return _named_like(wrapper, fun)
+
+
+_UNSET = object()
+
+
+def _value(v: Any) -> Any:
+  nnx = _nnx()
+  return v.get_value() if isinstance(v, nnx.Variable) else v
 
 
 DEFAULT_RULES = R.DEFAULT_RULES
