@@ -73,15 +73,32 @@ def real_parts(x: jax.Array) -> jax.Array:
 
 
 def one_cpu_device() -> bool:
-  """Whether the computation runs on one XLA:CPU device (read at trace time).
+  """Whether this host's XLA:CPU backend has one device.
 
   The layout pin (:func:`row_major`) and the grouped finiteness check
-  (:func:`jmp_scaler.scaling._scaler.all_finite`) were measured there only. With
-  several devices the layout pin made XLA's partitioner gather sharded
-  gradients, and an elementwise ``and`` of two leaves sharded differently
-  would make it move one of them.
+  (:func:`jmp_scaler.scaling._scaler.all_finite`) were measured on one XLA:CPU
+  device only. With several devices the layout pin made XLA's partitioner gather
+  sharded gradients, and an elementwise ``and`` of two leaves sharded differently
+  would make it move one of them. What runs on the CPU is this host's, so its
+  device count is the host's; whether the program runs on the CPU at all is the
+  platform it is lowered for, not the default backend (a step compiled for a TPU
+  from a CPU host): :func:`on_cpu` decides that.
   """
-  return jax.default_backend() == "cpu" and jax.device_count() == 1
+  return len(jax.devices("cpu")) == 1
+
+
+def on_cpu(args: Any, cpu: Any, other: Any) -> Any:
+  """``cpu(args)`` where the program is lowered for one XLA:CPU device, else ``other(args)``.
+
+  The choice is made by the platform the program is lowered for
+  (``jax.lax.platform_dependent``: both are traced, one is compiled, and the
+  compiler sees no conditional), never by ``jax.default_backend()`` at trace
+  time: a step compiled for a TPU or a GPU from a CPU host, or exported for
+  several platforms (``jax.export``), gets each platform's own code.
+  """
+  if not one_cpu_device():
+    return other(args)
+  return jax.lax.platform_dependent(args, cpu=cpu, default=other)
 
 
 def row_major(tree: Any) -> Any:
@@ -100,13 +117,16 @@ def row_major(tree: Any) -> Any:
   own layouts (not measured there), and with several devices the constraint
   made XLA's partitioner gather sharded gradients (two more all-gathers on an
   FSDP step, ``tests/test_multidevice.py``): there the tree is returned as it is.
+  Which it is, is decided by the platform the step is lowered for (:func:`on_cpu`).
   """
-  if _with_layout_constraint is None or not one_cpu_device():
+  leaves, treedef = jax.tree.flatten(tree)
+  at = [i for i, x in enumerate(leaves) if is_floating(x) and x.ndim >= 2]
+  if _with_layout_constraint is None or not at:
     return tree
 
-  def one(x):
-    if is_floating(x) and x.ndim >= 2:
-      return _with_layout_constraint(x, _Layout(tuple(range(x.ndim))))
-    return x
+  def pin(xs):
+    return [_with_layout_constraint(x, _Layout(tuple(range(x.ndim)))) for x in xs]
 
-  return jax.tree.map(one, tree)
+  for i, x in zip(at, on_cpu([leaves[i] for i in at], pin, list), strict=True):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)

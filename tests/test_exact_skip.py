@@ -206,23 +206,36 @@ def test_skipped_step_keeps_extra_fields_like_batch_stats(mode):
   np.testing.assert_array_equal(applied.batch_stats["mean"], np.full(2, 5.0))
 
 
-@pytest.mark.parametrize("backend, mode, shape, cond", [
-    ("cpu", "auto", (2,), False), ("tpu", "auto", (2,), True), ("gpu", "auto", (2,), False),
-    ("gpu", "cond", (2,), True), ("cpu", "select", (2,), False), ("cpu", "cond", (2,), True),
-    # Whatever the leaf sizes (with row-major gradients, cond no longer pays on large ones).
-    ("cpu", "auto", (1024, 512), False), ("tpu", "auto", (1024, 512), True),
-])
-def test_auto_skip_mode_follows_the_backend(
-    monkeypatch, backend, mode, shape, cond
-):
-  from jmp_scaler.scaling import _skip
+def _case_ops(fn, args, platform):
+  """The ``stablehlo.case`` ops of ``fn`` lowered (not compiled) for ``platform``: no device
+  of it needed (what ``jax.export`` does, without its check of the custom calls)."""
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  return lowered.as_text().count("stablehlo.case")
 
-  monkeypatch.setattr(_skip.jax, "default_backend", lambda: backend)
+
+@pytest.mark.parametrize("mode, shape, conds", [
+    # auto: the TPU's conditional, the select elsewhere, by the platform the step is lowered
+    # for (from this CPU host), whatever the leaf sizes (with row-major gradients, cond no
+    # longer pays on large ones on CPU).
+    ("auto", (2,), {"cpu": 0, "tpu": 1, "cuda": 0}),
+    ("auto", (1024, 512), {"cpu": 0, "tpu": 1, "cuda": 0}),
+    ("cond", (2,), {"cpu": 1, "tpu": 1, "cuda": 1}),
+    ("select", (2,), {"cpu": 0, "tpu": 0, "cuda": 0}),
+])
+def test_auto_skip_mode_follows_the_platform_lowered_for(mode, shape, conds):
   tx = optax.chain(jmp_scaler.dynamic_scale(skip_mode=mode), optax.sgd(0.1))
   params = {"w": jnp.ones(shape), "b": jnp.ones(shape[-1:])}
   train = jmp_scaler.TrainState.create(apply_fn=None, params=params, tx=tx)
-  jaxpr = str(jax.make_jaxpr(lambda s: s.apply_gradients(grads=params))(train))
-  assert ("cond[" in jaxpr) is cond
+  step = lambda s, g: s.apply_gradients(grads=g)
+  # Compiled for this CPU: the conditionals XLA runs.
+  compiled = jax.jit(step).lower(train, params).compile().as_text()
+  assert compiled.count("conditional(") == conds["cpu"]
+  # Lowered for a TPU and a GPU (no hardware needed): each platform_dependent lowers to the
+  # same case ops on every platform, so the case ops beyond the CPU's are the skip's.
+  cpu = _case_ops(step, (train, params), "cpu")
+  for platform in ("tpu", "cuda"):
+    extra = _case_ops(step, (train, params), platform) - cpu
+    assert extra == conds[platform] - conds["cpu"], platform
 
 
 def test_train_state_without_a_scaler_behaves_like_flax():

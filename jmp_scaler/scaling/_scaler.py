@@ -20,7 +20,7 @@ import optax
 from flax import struct
 
 from jmp_scaler import _validation as validation
-from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, one_cpu_device, row_major
+from jmp_scaler._leaves import floating_leaves, is_floating, math_dtype, on_cpu, row_major
 from jmp_scaler.jaxcompat._tracing import reaches
 from jmp_scaler.scaling._position import check_head
 
@@ -275,8 +275,10 @@ def dynamic_scale(
       under ``lax.cond`` (nothing is computed on a skip, but XLA:GPU copies the
       predicate to the host and waits for the stream, unless conditionals are
       put in command buffers, and on the pure-Optax path the updates cross the
-      branch in a buffer of their own). ``"auto"``, when the step is traced:
-      ``"select"`` on GPU and CPU; ``"cond"`` on TPU and in
+      branch in a buffer of their own). ``"auto"``, by the platform the step
+      is compiled for (``jax.lax.platform_dependent``, so a step compiled for
+      a TPU from a CPU host, or exported for several platforms, gets each
+      platform's own): ``"select"`` on GPU and CPU; ``"cond"`` on TPU and in
       ``accumulate_gradients`` with ``every_k > 1`` (the optimizer runs on one
       call in ``every_k``) (docs/performance.md).
       Both modes take the same decision and skip the same steps; a skipped step leaves the
@@ -519,7 +521,8 @@ GROUP_ELEMENTS = 2**19
 
 
 def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
-  """The leaves checked by one reduction together: each on its own but on one XLA:CPU device.
+  """The leaves checked by one reduction together, on one XLA:CPU device (:func:`all_finite`
+  uses it there only, each leaf on its own elsewhere).
 
   There the leaves of one shape of up to ``GROUP_BELOW`` elements go to groups of
   ``GROUP_SIZE`` leaves and at most ``GROUP_ELEMENTS`` elements (32 leaves of 2^14
@@ -530,8 +533,6 @@ def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   keep their own reduction, which reads each one as soon as the backward pass has
   written it.
   """
-  if not one_cpu_device():
-    return [[g] for g in leaves]
   groups, small = [], {}
   for g in leaves:
     if g.size > GROUP_BELOW:
@@ -584,16 +585,18 @@ def all_finite(grads: Any, state: LossScaleState) -> jax.Array:
   def isfinite(g):  # unscaled in at least float32, cast back: its overflow counts too
     return jnp.isfinite((g.astype(math_dtype(g.dtype)) * one).astype(g.dtype))
 
-  flags = [
-      jnp.all(functools.reduce(jnp.logical_and, map(isfinite, group)))
-      for group in _check_groups(floating_leaves(grads))
-  ]
-  if flags:
+  def check(groups: list[list[jax.Array]]) -> jax.Array:
+    flags = [jnp.all(functools.reduce(jnp.logical_and, map(isfinite, g))) for g in groups]
+    if not flags:
+      return jnp.asarray(True)
     # The int32 vector is materialised once; its comparison and ``all`` give a bool that
     # the selects read as it is (a ``min(...) > 0`` put a comparison in each of them).
-    finite = jnp.all(jnp.stack(flags).astype(jnp.int32) > 0)
-  else:
-    finite = jnp.asarray(True)
+    return jnp.all(jnp.stack(flags).astype(jnp.int32) > 0)
+
+  # Grouped where the step is lowered for one XLA:CPU device, each leaf on its own elsewhere.
+  leaves = floating_leaves(grads)
+  finite = on_cpu(leaves, lambda xs: check(_check_groups(xs)),
+                  lambda xs: check([[g] for g in xs])) if leaves else jnp.asarray(True)
   axes = state.config.axis_name
   if axes is not None:
     bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axes)

@@ -57,25 +57,30 @@ def noop_updates(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
 
 
-def uses_cond(scaler: LossScaleState, auto: str = "select") -> bool:
-  """Whether to skip with ``lax.cond`` (else with a fused ``jnp.where``).
+def skip_mode(scaler: LossScaleState | None, auto: str = "select") -> str:
+  """How to skip: ``"cond"`` (``lax.cond``), ``"select"`` (a fused ``jnp.where``), or
+  ``"platform"``: ``"cond"`` where the step is lowered for a TPU, ``"select"`` elsewhere.
 
   ``skip_mode="auto"`` stands for ``auto``: ``"cond"`` where the caller runs
   the chain on few of its calls (``accumulate_gradients``), else, for a
-  step-by-step skip, by backend. TPU: ``"cond"`` (its conditional runs on
-  the device). GPU: ``"select"`` (XLA:GPU reads a conditional's predicate on
-  the host). CPU: ``"select"``. With the gradients laid out row-major
+  step-by-step skip, by the platform the step is compiled for (decided when it is
+  lowered, :func:`apply_or_skip`, not by the default backend when it is traced: a
+  step compiled for a TPU from a CPU host gets the TPU's skip). TPU: ``"cond"``
+  (its conditional runs on the device). GPU: ``"select"`` (XLA:GPU reads a
+  conditional's predicate on the host). CPU: ``"select"``. With the gradients laid out row-major
   (:func:`jmp_scaler._leaves.row_major`) the two modes run a ``TrainState``
   step within the noise of each other from 8 to 1024 leaves, and on the
   pure-Optax path (:func:`skip_nonfinite`) a conditional also writes the
   updates to a buffer of their own before ``optax.apply_updates`` reads them
   (+15.8 MiB and x0.80-0.96 against x0.57-0.58 on 8 leaves of 1024x1024).
-  docs/performance.md, has the figures.
+  docs/performance.md, has the figures. Without a scaler: ``"cond"``.
   """
+  if scaler is None:
+    return "cond"
   mode = scaler.config.skip_mode
   if mode != "auto":
-    return mode == "cond"
-  return auto == "cond" or jax.default_backend() == "tpu"
+    return mode
+  return "cond" if auto == "cond" else "platform"
 
 
 def apply_or_skip(
@@ -100,7 +105,9 @@ def apply_or_skip(
   (also without a scaler) a ``lax.cond`` runs one of the two; in
   ``"select"`` mode both run and ``jnp.where`` keeps one, leaf by leaf, as
   each output is made (see :func:`_eval_selecting`). ``auto`` is the mode
-  that ``skip_mode="auto"`` stands for (:func:`uses_cond`).
+  that ``skip_mode="auto"`` stands for (:func:`skip_mode`); by the platform, both
+  are traced under ``jax.lax.platform_dependent`` and the one for the platform
+  the step is lowered for is compiled.
   """
   closed, shapes = jax.make_jaxpr(lambda: apply(True), return_shape=True)()
   treedef = jax.tree.structure(shapes)
@@ -112,10 +119,18 @@ def apply_or_skip(
   def skip_typed():
     return jax.tree.map(match_varying, skip(shapes), shapes)
 
-  if scaler is None or uses_cond(scaler, auto):
+  def by_cond():
     return jax.lax.cond(finite, applied, skip_typed)
-  kept = treedef.flatten_up_to(skip_typed())
-  return jax.tree.unflatten(treedef, _eval_selecting(closed, finite, kept))
+
+  def by_select():
+    # jaxlib's PyTreeDef has no type stubs on jax 0.10 (mypy sees a name without attributes)
+    kept = treedef.flatten_up_to(skip_typed())  # type: ignore[attr-defined]
+    return jax.tree.unflatten(treedef, _eval_selecting(closed, finite, kept))
+
+  mode = skip_mode(scaler, auto)
+  if mode == "platform":
+    return jax.lax.platform_dependent(tpu=by_cond, default=by_select)
+  return by_cond() if mode == "cond" else by_select()
 
 
 def _eval_selecting(closed: Any, finite: jax.Array, kept: list) -> list:
