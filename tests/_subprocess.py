@@ -71,7 +71,8 @@ RUNS: dict[str, Run] = {
     "checkpoint_resume": Run((PY, "examples/checkpoint_resume.py", "--steps", "40", "--dir",
                               "{dir}/ckpt"), 9),
     "accumulation": Run((PY, "examples/accumulation.py", "--steps", "4", "--every-k", "4"), 6),
-    "docs": Run((PY, "tests/_docs.py"), 12),  # every program of docs/*.md (tests/_docs.py)
+    # every program of docs/*.md, and those of the README that show an output (tests/_docs.py)
+    "docs": Run((PY, "tests/_docs.py"), 15),
     # several devices in one process (tests/test_multidevice.py, test_scaler.py, test_fp8_*,
     # test_autocast_multidevice.py, test_low_precision.py)
     "md_worker": Run((PY, "tests/md_worker.py"), 19, EIGHT),

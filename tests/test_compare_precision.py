@@ -6,19 +6,24 @@ layer where the error jumps; flax linen module paths, NNX and equinox attribute 
 user's lines name the layers; the gradient columns are the half run's against float32's.
 """
 
+import functools
 import pathlib
 import re
 import runpy
 import sys
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+from jax import lax
 
 import jmp_scaler
+from jmp_scaler.diagnostics import _compare
 
 F16, F32 = jnp.float16, jnp.float32
 POLICY = "p=f32,c=f16,o=f32"
@@ -63,6 +68,7 @@ def test_the_fragile_layer_is_where_the_error_jumps(fragile_report):
   assert r.jump == "fragile"
   names = [row.name for row in r.layers]
   assert {"embed", "fragile", "hidden", "head"} <= set(names)
+  assert "Net" not in names  # nn.relu's body repeats the name stack around it: not a layer
   assert names.index("embed") < names.index("fragile") < names.index("hidden")
   embed, fragile = r.layer("embed"), r.layer("fragile")
   assert embed.activation_error < 3e-3  # float16's rounding, no more
@@ -157,6 +163,71 @@ def test_a_plain_function_as_given_names_its_lines():
   assert lines["cancellation"].activation_error > 10 * lines[
     "a float16 layer"].activation_error
   assert comment(r.jump) == "cancellation"
+
+
+class MLP(nn.Module):  # a plain MLP, float16 where dtype says (else the policy's)
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(10, dtype=self.dtype)(nn.relu(nn.Dense(32, dtype=self.dtype)(x)))
+
+
+def cross_entropy(params, x, y, dtype=None):  # optax gathers the labelled logit
+  logits = MLP(dtype).apply(params, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def scatter_adds(fn, *args):
+  jaxpr = jax.make_jaxpr(jax.grad(fn))(*args)
+  return [str(e.invars[0].aval.dtype) for e, _ in _compare._flat_eqns(jaxpr)
+          if e.primitive.name == "scatter-add"]
+
+
+@pytest.mark.parametrize("dtype", [None, F16], ids=["autocast", "float16_model"])
+def test_the_gradient_of_optax_cross_entropy_s_gather_needs_no_note(dtype):
+  # The gather of the labelled logit has a scatter-add for its gradient, an operation with a
+  # body of its own. Under the policy it is float32 (a note said it "stayed in float16": any
+  # such operation was named, whatever its dtype); in a float16 model it is float16, and the
+  # float32 run computes it in float32 (lax.scatter_add with its parameters): no note either.
+  y = jax.random.randint(jax.random.key(2), (8,), 0, 10)
+  params = MLP().init(jax.random.key(0), X)
+  policy = POLICY if dtype is None else None
+  run = functools.partial(cross_entropy, dtype=dtype)
+  half = scatter_adds(jmp_scaler.autocast(run, POLICY) if dtype is None else run, params, X, y)
+  assert half == (["float32"] * 2 if dtype is None else ["float16"] * 2)
+  r = jmp_scaler.compare_precision(run, params, X, y, policy=policy)
+  assert r.note == "" and "note:" not in str(r), str(r)
+  assert r.jump is None and {"Dense_0", "Dense_1"} <= {row.name for row in r.layers}
+  assert "MLP" not in {row.name for row in r.layers}  # nn.relu's max: the line, not the root
+  assert abs(r.loss - float(cross_entropy(params, X, y))) < 1e-6
+
+
+def embedding_sum(table, ids):
+  return jnp.sum(table.astype(F16)[ids].astype(F32))  # the gradient: a float16 scatter-add
+
+
+def test_the_float32_run_sums_a_scatter_add_in_float32():
+  # 4096 lookups of one row: float16 sums their gradient to 2048 (2049 is not a float16), the
+  # float32 run to 4096, so the half run's gradient is half of float32's.
+  table, ids = jnp.ones((4, 2)), jnp.zeros(4096, jnp.int32)
+  assert scatter_adds(embedding_sum, table, ids) == ["float16"]
+  r = jmp_scaler.compare_precision(embedding_sum, table, ids)
+  assert r.note == "" and r.layers[0].gradient_error == pytest.approx(0.5)
+
+
+def custom_reduction(w, x):
+  s = lax.reduce(x.astype(F16), np.float16(0), lambda a, b: a + b * b, (0,))  # its own body
+  return jnp.mean(w * s.astype(F32))
+
+
+def test_an_operation_that_stays_in_half_precision_is_named_by_its_line():
+  r = jmp_scaler.compare_precision(custom_reduction, jnp.ones(3), jnp.ones((5, 3)))
+  m = re.fullmatch(r"in the float32 run, the reduce at (.*) stayed in float16: an operation with "
+                   r"a body of its own \(a custom reduction\) computes in its own dtype, so the "
+                   r"float32 run rounds there as the half run does", r.note)  # fmt: skip
+  assert m and comment(m.group(1)) == "its own body", r.note
+  assert "\nnote: in the float32 run, the reduce at" in str(r)
 
 
 def test_bad_input_is_refused_at_the_call():

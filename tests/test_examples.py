@@ -93,3 +93,8 @@ def test_complete_code_blocks_of_the_docs_run():
   for doc in _docs.DOCS:  # every program of every document (tests/_docs.py)
     assert f"ran {len(_docs.programs(doc))} blocks of {doc}" in text, doc
   assert "ran 5 blocks of docs/migration.md" in text and "ran 3 blocks of docs/flax.md" in text
+  for doc in _docs.ELSEWHERE:  # another test runs them all; this run those that show an output
+    programs = _docs.checked(doc)
+    shown = sum(p.shown is not None for p in programs)
+    assert f"ran the {shown} of {len(programs)} blocks that show an output of {doc}" in text
+  # What each printed is compared with what its document shows in tests/test_docs.py.

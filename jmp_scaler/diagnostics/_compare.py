@@ -4,9 +4,9 @@
 or as it is) once: its forward pass and the gradient of ``fn(...) * scale``. That program is run
 twice, each time as one compiled run (:func:`._walk.evaluate`): as it is, and with every
 half-precision value computed in float32 (casts to float16 are casts to float32, the matmuls'
-preferred type float32). Both runs keep the output of each layer's last operation, so the
-activations of the two runs are compared operation for operation, and the gradients leaf for
-leaf.
+preferred type float32, a scatter-add's sums in float32). Both runs keep the output of each
+layer's last operation, so the activations of the two runs are compared operation for
+operation, and the gradients leaf for leaf.
 
 A layer is a flax ``linen`` module path (its name scopes), an NNX or equinox attribute path
 (their modules are given scopes of their own for the trace), else the line of the user's code
@@ -87,7 +87,9 @@ class PrecisionComparison:
     scale: the loss scale of the half run's backward pass and of the underflow column.
     jump_factor: see ``jump``.
     note: what qualifies the baseline: the operations of the half run with a body of their own
-      (a scatter-add's update function) that the float32 run computes in their half dtype.
+      (a custom reduction) that the float32 run computes in their half dtype, each with the
+      line it comes from; empty if none (a scatter, such as the gradient of an indexing or of
+      an embedding lookup, is computed in float32).
   """
 
   layers: tuple[LayerError, ...]
@@ -126,9 +128,9 @@ class PrecisionComparison:
                          "rounding and the layers before it)"))  # fmt: skip
     else:
       row = self.layer(self.jump)
-      what = ("activation", row.activation_error) if _jumps_by(self, "activation_error") else (
-        "gradient", row.gradient_error)
-      lines.append(_wrap(f"first jump: {self.jump} ({what[0]} error {_fmt(what[1])}); underflow: "
+      kind, err = ("activation", row.activation_error) if _jumps_by(
+        self, "activation_error") else ("gradient", row.gradient_error)
+      lines.append(_wrap(f"first jump: {self.jump} ({kind} error {_fmt(err)}); underflow: "
                          f"the share of the float32 gradient that is 0 in {self.dtype} at scale "
                          f"{self.scale:g}"))  # fmt: skip
     if self.note:
@@ -149,7 +151,7 @@ def _fmt(x: float | None) -> str:
   return f"{x:.2e}"
 
 
-def _relative(half: np.ndarray, wide: np.ndarray) -> float:
+def _relative(half: np.ndarray | np.floating, wide: np.ndarray | np.floating) -> float:
   h, w = np.asarray(half, np.float64).ravel(), np.asarray(wide, np.float64).ravel()
   if not np.all(np.isfinite(h)):
     return math.inf
@@ -230,8 +232,7 @@ def layer_of(eqn: Any, calls: tuple = ()) -> str:
   """The layer of ``eqn``, inside the call equations ``calls`` (outermost first): the innermost
   NNX/equinox module path, the flax ``linen`` module path (the root module left out), else the
   user's line (that of the call of a library's function it is in)."""
-  path = S.module_path([S.name_stack(e) for e in (*calls, eqn)])
-  parts = path.split("/") if path else []
+  parts = _scope_parts([S.name_stack(e) for e in (*calls, eqn)])
   marked = [p[len(LAYER_MARK):] for p in parts if p.startswith(LAYER_MARK)]
   if marked:
     return marked[-1]
@@ -240,6 +241,23 @@ def layer_of(eqn: Any, calls: tuple = ()) -> str:
     return "/".join(parts[1:])
   lines = next((found for found in map(C.user_lines, (eqn, *reversed(calls))) if found), [])
   return lines[0] if lines else S.summarize(eqn)
+
+
+def _scope_parts(stacks: list[str]) -> list[str]:
+  """The scope names of the name stacks of nested calls (outermost first), each stack that
+  repeats the one around it counted once: a ``jit`` body's stack is its own, but the bodies of
+  ``remat`` and ``custom_jvp``/``custom_vjp`` (``nn.relu``) hold the whole stack of their call
+  (``Net`` around ``Net``, not ``Net/Net``). The scope of a flax transform of a module
+  (``shifted.jmp_full_precision(Shifted)``: ``nn.jit`` in a ``full_precision`` region) before
+  that module's own (``shifted``) is left out."""
+  parts: list[str] = []
+  outer: list[str] = []
+  for stack in stacks:
+    mine = [p for p in S.module_path([stack]).split("/") if p]
+    parts += mine[len(outer):] if outer and mine[:len(outer)] == outer else mine
+    outer = mine
+  return [p for i, p in enumerate(parts)
+          if not ("." in p and parts[i + 1:i + 2] == [p.split(".")[0]])]  # fmt: skip
 
 
 def _leaf_layer(path: tuple) -> tuple[str, ...]:
@@ -350,12 +368,12 @@ def compare_precision(fn: Callable[..., Any], *args: Any, policy: Policy | str |
     count = iter(range(len(flat_eqns)))
     return lambda eqn: next(count) in wanted
 
-  runs, narrow = [], set()
+  runs, stayed = [], []
   for widen in (False, True):
-    results, stayed = W.evaluate([(forward, call.dynamic, keeper()),
-                                  (grad, [*diff, *other], lambda eqn: False)], widen)  # fmt: skip
+    results, narrowed = W.evaluate([(forward, call.dynamic, keeper()),
+                                    (grad, [*diff, *other], lambda eqn: False)], widen)  # fmt: skip
     runs.append(results)
-    narrow |= stayed
+    stayed += narrowed
   (h_out, h_kept), (h_grads, _) = runs[0]  # the gradients of the first argument's leaves
   (w_out, w_kept), (w_grads, _) = runs[1]
   rows: dict[str, dict] = {}
@@ -369,12 +387,12 @@ def compare_precision(fn: Callable[..., Any], *args: Any, policy: Policy | str |
   groups: dict[str, list] = {}
   for k, i in enumerate(call.first):
     parts = _leaf_layer(call.paths[i][skip:])
-    name = next((n for n in order if _matches(n, parts)), None)
-    if name is None:  # not a module's: the layer of the first operation that reads it
+    owner = next((n for n in order if _matches(n, parts)), None)
+    if owner is None:  # not a module's: the layer of the first operation that reads it
       user = _consumer(forward, i)
-      name = layer_of(*user) if user is not None else "/".join(parts) or C.leaf_name(
+      owner = layer_of(*user) if user is not None else "/".join(parts) or C.leaf_name(
         call.paths[i])
-    groups.setdefault(name, []).append(k)
+    groups.setdefault(owner, []).append(k)
   for name, members in groups.items():
     row = rows.setdefault(name, {"act": None, "dtype": "-"})
     hg = np.concatenate([np.ravel(np.asarray(h_grads[k], np.float64)) for k in members]) / scale
@@ -393,8 +411,27 @@ def compare_precision(fn: Callable[..., Any], *args: Any, policy: Policy | str |
     loss=float(np.asarray(w_out[0])), loss_half=float(np.asarray(h_out[0])),
     policy=None if policy is None else _policy_text(policy), dtype=str(half_dtype),
     scale=scale, jump_factor=float(jump_factor),
-    note=(f"in the float32 run, {', '.join(sorted(narrow))} stayed in {half_dtype} (an operation "
-          "with a body of its own)" if narrow else ""))
+    note=_stayed_note(stayed))
+
+
+def _stayed_note(stayed: list[tuple[Any, tuple]]) -> str:
+  """What qualifies the float32 run: the operations with a body of their own (a custom
+  reduction; a scatter is widened) that it computed in their half dtype, each named by where it
+  comes from (the user's line, or the gradient of the operations of that line)."""
+  where: dict[str, None] = {}
+  for eqn, calls in stayed:
+    line = next((found[0] for found in map(C.user_lines, (eqn, *reversed(calls))) if found),
+                S.summarize(eqn))
+    grad = any("transpose(" in S.name_stack(e) for e in (*calls, eqn))
+    half = sorted({str(np.dtype(v.aval.dtype)) for v in eqn.invars
+                   if getattr(v.aval, "dtype", None) is not None and is_half(v.aval.dtype)})
+    what = "in the gradient of the code at" if grad else "at"
+    where[f"the {eqn.primitive.name} {what} {line} stayed in {' and '.join(half)}"] = None
+  if not where:
+    return ""
+  return (f"in the float32 run, {'; '.join(where)}: an operation with a body of its own (a "
+          "custom reduction) computes in its own dtype, so the float32 run rounds there as the "
+          "half run does")
 
 
 def _is_activation(v: Any) -> bool:

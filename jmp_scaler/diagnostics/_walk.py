@@ -71,10 +71,13 @@ class Layout:
   size: int
 
 
-class Step(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Step:
   """One step of the path to an origin: equation ``index`` of a level, entered as ``kind``
   (``"op"``, ``"call"``, ``"scan"``, ``"while_cond0"``, ``"while_body"``, ``"while_cond"``,
-  ``"cond"``, ``"shard_map"``) at iteration, branch or device ``at``."""
+  ``"cond"``, ``"shard_map"``) at iteration, branch or device ``at``.
+
+  A frozen dataclass, not a NamedTuple: a field named ``index`` would shadow ``tuple.index``."""
 
   index: int
   kind: str
@@ -144,6 +147,7 @@ def equations(layout: Layout, path: Sequence[Step]) -> list[Any]:
     elif step.kind == "while_cond":
       layout = entry.children[2]
     else:  # cond
+      assert step.at is not None, "a cond step names its branch"
       layout = entry.children[step.at]
   return out
 
@@ -379,6 +383,7 @@ class _Probe:
     record, found = [], []
     for seg in segments:
       if seg[0] == "ops":
+        assert origins is not None, "an ops segment is recorded only where flags.ops is not empty"
         part = origins[seg[1][0] : seg[1][-1] + 1]
         record.append(part)
         found.append(part)
@@ -525,7 +530,10 @@ _LOOPS: dict[str, Callable] = {
 
 #: XLA's backend (LLVM) optimisation off for the two programs: the same HLO, so the same
 #: arithmetic, compiled in about a third of the time on CPU (their run time is negligible).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+#: (Any values: XLA takes an int here, where jax's annotation of compile says str or bool.)
+FAST_COMPILE: dict[str, Any] = {
+  "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+}  # fmt: skip
 
 
 def _compiled(program: Callable, *args: Any) -> Any:
@@ -577,6 +585,13 @@ def _widen_value(x: Any) -> Any:
   return x.astype(jnp.float32) if isinstance(x, jax.Array) else np.asarray(x, np.float32)
 
 
+#: The scatters whose body is one binary operation, by primitive: ``lax``'s function traces its
+#: body for the operands' dtype (what a widened run needs: float32).
+_SCATTERS: dict[str, Callable] = {"scatter-add": lax.scatter_add, "scatter-sub": lax.scatter_sub,
+                                  "scatter-mul": lax.scatter_mul, "scatter-min": lax.scatter_min,
+                                  "scatter-max": lax.scatter_max}
+
+
 class _Capture:
   """Evaluates jaxprs and returns the inputs of the equation at the end of a path (and the
   outputs of the equations ``extra`` of its level, after them).
@@ -590,14 +605,21 @@ class _Capture:
   """
 
   def __init__(self, n_held: int, widen: bool = False, extra: Sequence[int] = (),
-               keep: Callable[[Any], bool] | None = None):
+               keep: Callable[[Any], bool] | None = None, wide_scatters: bool = False):
     self.n_held = n_held  #: the origin's inputs that are not literals, and the extra outputs
     self.widen, self.extra, self.keep = widen, tuple(extra), keep
+    #: with ``widen``, a scatter (``scatter-add``, ...: an indexing's gradient) in float32, by
+    #: ``lax``'s own function with the equation's parameters, rather than in its half dtype
+    self.wide_scatters = wide_scatters
     self.kept: list = []
     self.loops = 0  #: how many loop bodies the evaluation is inside
-    #: the primitives that have a body of their own (a scatter-add's update function, a
-    #: custom reduction), computed in their own dtype even when widening
+    self.calls: list = []  #: the call equations the evaluation is inside, outermost first
+    #: the primitives with a body of their own (a scatter-add's update function, a custom
+    #: reduction) computed in their half dtype even when widening, and those equations with
+    #: the calls around them: only those that have a half-precision input (others are float32
+    #: as they are)
     self.narrow: set[str] = set()
+    self.narrowed: list[tuple[Any, tuple]] = []
 
   def _read(self, v: Any, env: dict) -> Any:
     x = J.read_literal(v, env)
@@ -608,7 +630,11 @@ class _Capture:
     keeping values."""
     body = P.inline_body(eqn)
     if body is not None and (self.widen or self.keep is not None):
-      return self.run(body, ins, [])[0]
+      self.calls.append(eqn)
+      try:
+        return self.run(body, ins, [])[0]
+      finally:
+        self.calls.pop()
     name = eqn.primitive.name
     if not self.widen:
       outs = J.bind(eqn, ins)
@@ -626,11 +652,19 @@ class _Capture:
       finally:
         self.loops -= 1
     elif J.has_sub_jaxprs(eqn):  # its body is typed for its dtypes: compute it in them
-      self.narrow.add(name)
       like = [getattr(v.aval, "dtype", None) for v in eqn.invars]
-      narrow = [x.astype(d) if d is not None and is_half(d) else x
-                for x, d in zip(ins, like, strict=True)]  # fmt: skip
-      outs = [_widen_value(o) for o in J.bind(eqn, narrow)]
+      if self.wide_scatters and name in _SCATTERS:
+        p = eqn.params
+        outs = [_SCATTERS[name](*ins, p["dimension_numbers"], mode=p["mode"],
+                                indices_are_sorted=p["indices_are_sorted"],
+                                unique_indices=p["unique_indices"])]  # fmt: skip
+      else:
+        if any(d is not None and is_half(d) for d in like):
+          self.narrow.add(name)
+          self.narrowed.append((eqn, tuple(self.calls)))
+        narrow = [x.astype(d) if d is not None and is_half(d) else x
+                  for x, d in zip(ins, like, strict=True)]  # fmt: skip
+        outs = [_widen_value(o) for o in J.bind(eqn, narrow)]
     else:
       outs = J.bind(eqn, ins, P.float32_params(eqn))
     if self.keep is not None and not self.loops and self.keep(eqn):
@@ -810,26 +844,27 @@ def capture(closed: Any, args: Sequence[Any], origin: Any, path: Sequence[Step])
 
 
 def evaluate(programs: Sequence[tuple[Any, Sequence[Any], Callable[[Any], bool]]],
-             widen: bool) -> tuple[list[tuple[list, list]], set[str]]:
+             widen: bool) -> tuple[list[tuple[list, list]], list[tuple[Any, tuple]]]:
   """Each ``(closed, args, keep)`` of ``programs`` evaluated, all in one compiled run (with
-  ``widen``, every half-precision value in float32): for each, its outputs and the outputs of
-  the equations ``keep`` accepts outside loops (calls inlined), in program order; and the
-  primitives that stayed in half precision (a body of their own: :class:`_Capture`)."""
+  ``widen``, every half-precision value in float32, scatters included): for each, its outputs
+  and the outputs of the equations ``keep`` accepts outside loops (calls inlined), in program
+  order; and the equations that stayed in half precision (a body of their own other than a
+  scatter's: :class:`_Capture`), each with the call equations around it."""
   programs = [(J.closed(c), list(a), k) for c, a, k in programs]
-  narrow: set[str] = set()
+  narrowed: list[tuple[Any, tuple]] = []
 
   def program(all_consts, all_args):
     results = []
     for (closed, _, keep), consts, args in zip(programs, all_consts, all_args, strict=True):
-      interp = _Capture(0, widen, keep=keep)
+      interp = _Capture(0, widen, keep=keep, wide_scatters=True)
       outs = interp.run(closed, args, [], consts)[0]
       results.append((outs, [o for _, o in interp.kept]))
-      narrow.update(interp.narrow)
+      narrowed.extend(interp.narrowed)
     return results
 
   results = jax.device_get(_compiled(program, [list(c.consts) for c, _, _ in programs],
                                      [a for _, a, _ in programs]))  # fmt: skip
-  return results, narrow
+  return results, narrowed
 
 
 def sub_jaxpr(eqn: Any, step: Step) -> Any:
@@ -844,6 +879,7 @@ def sub_jaxpr(eqn: Any, step: Step) -> Any:
   if step.kind in ("while_cond0", "while_cond"):
     return P.while_loop(eqn).cond
   if step.kind == "cond":
+    assert step.at is not None, "a cond step names its branch"
     return P.cond_branches(eqn)[step.at]
   return P.shard_map(eqn).body
 
