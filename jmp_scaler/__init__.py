@@ -98,6 +98,8 @@ from jmp_scaler.diagnostics._compare import compare_precision as compare_precisi
 from jmp_scaler.diagnostics._find import NonFiniteOp as NonFiniteOp
 from jmp_scaler.diagnostics._find import find_nonfinite as find_nonfinite
 from jmp_scaler.diagnostics._nonfinite import nonfinite_report as nonfinite_report
+from jmp_scaler.diagnostics._parity import LogprobParity as LogprobParity
+from jmp_scaler.diagnostics._parity import logprob_parity as logprob_parity
 from jmp_scaler.diagnostics._underflow import UnderflowReport as UnderflowReport
 from jmp_scaler.diagnostics._underflow import underflow_report as underflow_report
 from jmp_scaler.diagnostics._monitor import ScaleMonitor as ScaleMonitor
@@ -115,6 +117,7 @@ __all__ = (
     "KahanState",
     "LINEN_FLOAT32_MODULES",
     "LayerError",
+    "LogprobParity",
     "LossScaleState",
     "LossScaler",
     "MxFp8Recipe",
@@ -154,6 +157,7 @@ __all__ = (
     "get_policy",
     "get_scale",
     "kahan_summation",
+    "logprob_parity",
     "low_precision_optimizer",
     "no_scale",
     "nonfinite_report",
