@@ -384,15 +384,32 @@ class _Static:
     return hash(self.key)
 
   def __eq__(self, other: Any) -> bool:
-    return isinstance(other, _Static) and self.key == other.key
+    if not isinstance(other, _Static):
+      return False
+    try:
+      return self.key == other.key
+    except (ValueError, jax.errors.TracerBoolConversionError):
+      # Metadata that holds arrays (tunix's sampling state), compared inside an enclosing
+      # trace: == was traced instead of evaluated. Compare the values as at top level.
+      with jax.ensure_compile_time_eval():
+        return self.key == other.key
 
 
 def _named_jit(body: Callable, fun: Callable, name: str) -> Callable:
   """``body(static, *arrays)`` as a ``jit`` named ``name``: the array leaves of the
-  arguments are traced, every other leaf (Python numbers, strings) is static."""
+  arguments are traced, every other leaf (Python numbers, strings) is static.
+
+  The ``jit`` takes and returns flat lists of arrays, so JAX's caches never compare the
+  caller's pytrees (inside an enclosing trace, metadata that holds arrays cannot be
+  compared); the results' tree is kept per call signature when ``body`` is traced."""
+  trees: dict[tuple, Any] = {}
+
+  def signature(static: _Static, dynamic: Sequence[Any]) -> tuple:
+    return static, tuple((x.shape, x.dtype) for x in dynamic)
 
   def run(static, *dynamic):
-    return body(static, *dynamic)
+    outs, trees[signature(static, dynamic)] = jax.tree.flatten(body(static, *dynamic))
+    return outs
 
   run.__name__ = run.__qualname__ = name
   jitted = jax.jit(run, static_argnums=0)
@@ -402,7 +419,9 @@ def _named_jit(body: Callable, fun: Callable, name: str) -> Callable:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     mask = tuple(_dynamic(x) for x in leaves)
     static = _Static(treedef, mask, tuple(x for x, m in zip(leaves, mask, strict=True) if not m))
-    return jitted(static, *[x for x, m in zip(leaves, mask, strict=True) if m])
+    dynamic = [x for x, m in zip(leaves, mask, strict=True) if m]
+    outs = jitted(static, *dynamic)
+    return jax.tree.unflatten(trees[signature(static, dynamic)], outs)
 
   return wrapper
 
@@ -528,11 +547,15 @@ def autocast(
   interp = _Interpreter(policy, table, given, recipe, composites, own, scoped)
 
   def body(static, *dyn):
-    def flat(*xs):
-      args, kwargs = static.rebuild(xs)
-      return fun(*args, **kwargs)
+    tree = []
 
-    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*dyn)  # abstracts: vma, weak
+    def flat(*xs):  # flat results: JAX never compares fun's output tree (metadata may hold arrays)
+      args, kwargs = static.rebuild(xs)
+      outs, out_tree = jax.tree.flatten(fun(*args, **kwargs))
+      tree.append(out_tree)
+      return outs
+
+    closed = jax.make_jaxpr(flat)(*dyn)  # abstracts: vma, weak
     # The output cast to float32 is a float32 use: what feeds only it runs in float32.
     fed = (np.dtype(policy.output_dtype).itemsize >= 4,) * len(closed.jaxpr.outvars)
     interp.matched.clear()
@@ -554,7 +577,7 @@ def autocast(
           f"{' ...' if len(seen) > 20 else ''}: those run under rules[{s.name!r}] (flax "
           "linen names its modules' scopes; elsewhere a jax.named_scope names one)",
           UserWarning, stacklevel=2)
-    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+    return jax.tree.unflatten(tree[0], outs)
 
   return _named_jit(body, fun, f"{AUTOCAST_MARK}[{policy}]({_fun_name(fun)})")
 
