@@ -297,7 +297,10 @@ class _Search:
 
   @functools.cached_property
   def eqns(self) -> list:
-    return W.equations(self.probed.layout, self.path)
+    """The equations along :attr:`path` (read only where an origin was found)."""
+    path = self.path
+    assert path is not None, "no origin: no equations along its path"
+    return W.equations(self.probed.layout, path)
 
   def report(self, phase: str, scale: float | None) -> NonFiniteOp | None:
     """The origin's report, None if every value is finite; raises ValueError if an output is
@@ -325,14 +328,15 @@ class _Search:
     it = iter(held)
     made, _ = _run(self.eqns[-1], [np.asarray(v.val) if J.is_literal(v) else next(it)
                                    for v in self.eqns[-1].invars], widen=False)  # fmt: skip
-    bad = next((~np.isfinite(_wide(o)) for o in made or () if not W.host_finite(o)),
-               np.ones((), bool))  # fmt: skip
-    return self._function_verdict(report, path, bad)
+    bad_mask = next((~np.isfinite(_wide(o)) for o in made or () if not W.host_finite(o)),
+                    np.ones((), bool))  # fmt: skip
+    return self._function_verdict(report, path, bad_mask)
 
   def _function_verdict(self, report: NonFiniteOp, path: list, bad: np.ndarray) -> NonFiniteOp:
     """``report`` with the verdict about the whole function in float32 and the upstream
     culprit where the verdicts differ (:mod:`._upstream`): one more compiled run, which
     evaluates ``fn`` as it ran and widened, fetching the origin's ancestors in both."""
+    assert self.retrace is not None, "report() calls this only with a retrace"
     level = W.level_of(self.closed, path)
     extra = U.ancestors(level, path[-1].index)
     try:
@@ -444,7 +448,8 @@ def _report(phase: str, eqns: list, path: list, held: list, scale: float | None)
     autocast=policy, full_precision=region, scale=scale, frames=tuple(frames),
     advice="", note="; ".join(notes),
   )  # fmt: skip
-  why = _why_float32_fails(report, inputs, wide) if finite32 is False else ""
+  # finite32 is False only where wide (the operation run in float32) is not None
+  why = _why_float32_fails(report, inputs, wide) if finite32 is False and wide is not None else ""
   return dataclasses.replace(report, advice=_advice(report, why, in_scale))
 
 
@@ -599,6 +604,7 @@ def _advice(r: NonFiniteOp, why: str, in_scale: bool) -> str:
             f"{_narrow(r)}, which overflows. Keep the loss in float32 (a policy with "
             "output=float32, or .astype(jnp.float32) before the loss's reduction)")
   if r.phase == "backward":
+    assert r.scale is not None, "a backward pass has a scale"
     half = _narrow(r)
     ratio = r.scale * _largest(half) / max(r.float32_max_abs or 0.0, 1e-300)
     safe = 2.0 ** math.floor(math.log2(ratio)) if 0 < ratio < math.inf else 0.0

@@ -88,8 +88,8 @@ class UnderflowReport(struct.PyTreeNode):
     if not nz:
       return "No finite nonzero element: nothing to lose."
     scale, best = float(h["scale"]), self.best_scale()
-    lost = self.estimate(best)
-    lost = lost["zero"] + lost["subnormal"]
+    at_best = self.estimate(best)
+    lost = at_best["zero"] + at_best["subnormal"]
     msgs = [f"At scale {scale:.6g}, {percent(zero, nz)} flush to zero, {percent(sub, nz)} become "
             f"subnormal, {percent(over, nz)} overflow in {name}."]
     if over:
@@ -105,8 +105,8 @@ class UnderflowReport(struct.PyTreeNode):
     else:
       msgs.append("The scale fits.")
     if self.dtype != np.dtype(jnp.bfloat16) and lost > tolerance:
-      bf = self.estimate(1.0, jnp.bfloat16)
-      bf = 100 * (bf["zero"] + bf["subnormal"])
+      in_bf16 = self.estimate(1.0, jnp.bfloat16)
+      bf = 100 * (in_bf16["zero"] + in_bf16["subnormal"])
       msgs.append(f"Even the best {name} scale loses about {100 * lost:.3g}%; bfloat16 "
                   f"(float32's range, no scaling) would lose {bf:.3g}%: safer.")
     return " ".join(msgs)
@@ -176,7 +176,7 @@ def underflow_report(
     0
   """
   d = canonical_dtype("dtype", dtype)
-  if isinstance(scale, numbers.Real) and not (math.isfinite(scale) and scale > 0):
+  if isinstance(scale, numbers.Real) and not (math.isfinite(scale) and float(scale) > 0):
     raise ValueError(f"scale must be positive and finite, got {scale!r}")
   paths, sizes, leaves = leaves_by_path(tree)
   s = jnp.asarray(scale, jnp.float32)

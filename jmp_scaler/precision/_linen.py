@@ -24,7 +24,7 @@ LINEN_FLOAT32_MODULES: tuple[type, ...] = (
 def _set_fields(module: nn.Module, policy: Policy) -> dict[str, Any]:
   """Sets the module's dtype fields to ``policy``; returns the old values."""
   names = {f.name for f in dataclasses.fields(module)}
-  wanted = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
+  wanted: dict[str, Any] = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
   if is_half(policy.compute_dtype):
     wanted["force_fp32_for_softmax"] = True  # attention: softmax in float32
   old = {}
@@ -95,7 +95,7 @@ def autocast_linen(
   defaults = LINEN_FLOAT32_MODULES if float32_norms else ()
   table = override_table(policy, overrides, defaults, nn.Module)
   local = threading.local()
-  traced = []
+  traced: list[bool] = []
 
   def interceptor(next_fun, args, kwargs, context):
     if not traced:

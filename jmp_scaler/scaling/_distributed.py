@@ -70,7 +70,7 @@ def check_axis_name(grads: Any, opt_state: Any) -> None:
   scaler = find_scale_state(opt_state)
   if scaler is None:
     return
-  varying = frozenset()
+  varying: frozenset = frozenset()  # mesh axis names, as varying_axes gives them
   for g in jax.tree.leaves(grads):
     if is_floating(g):
       varying |= varying_axes(g)

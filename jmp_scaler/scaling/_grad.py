@@ -35,13 +35,13 @@ class _Partition:
   def combine(self, diff: list[Any]) -> Any:
     """The argument with its inexact leaves replaced by ``diff`` (tracers, when differentiated)."""
     it = iter(diff)
-    return self.treedef.unflatten(
-        [next(it) if m else x for x, m in zip(self.static, self.mask, strict=True)])
+    return jax.tree.unflatten(
+        self.treedef, [next(it) if m else x for x, m in zip(self.static, self.mask, strict=True)])
 
   def grads(self, diff_grads: list[Any]) -> Any:
     """The gradient tree: ``diff_grads`` at the inexact leaves, ``None`` elsewhere."""
     it = iter(diff_grads)
-    return self.treedef.unflatten([next(it) if m else None for m in self.mask])
+    return jax.tree.unflatten(self.treedef, [next(it) if m else None for m in self.mask])
 
 
 def value_and_grad(

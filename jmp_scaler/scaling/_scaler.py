@@ -533,7 +533,8 @@ def _check_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   keep their own reduction, which reads each one as soon as the backward pass has
   written it.
   """
-  groups, small = [], {}
+  groups: list[list[jax.Array]] = []
+  small: dict[tuple[int, ...], list[jax.Array]] = {}  # the leaves of one shape
   for g in leaves:
     if g.size > GROUP_BELOW:
       groups.append([g])
@@ -648,8 +649,9 @@ def refuse_partial_updates(updates: Any) -> None:
     )
 
 
-def next_state(state: LossScaleState, finite: jax.Array) -> LossScaleState:
-  """The scaler's state after an update whose gradients were ``finite``."""
+def next_state(state: LossScaleState, finite: jax.Array | bool) -> LossScaleState:
+  """The scaler's state after an update whose gradients were ``finite`` (a traced bool, or a
+  Python one where the outcome is known)."""
   c = state.config
   finite = jnp.asarray(finite, jnp.bool_)
   # A finite step: count it, grow on the growth_interval-th.
