@@ -36,6 +36,7 @@ WINGS = {
     "checkpoint": 2,    # checkpoint I/O and the restore check
     "diagnostics": 3,   # reports and the monitor
     "jmp": 3,           # jmp 0.0.4's API over precision: `from jmp_scaler import jmp`
+    "tunix": 4,         # float16 RL in google-tunix: `from jmp_scaler import tunix`
 }
 
 

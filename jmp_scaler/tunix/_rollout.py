@@ -1,0 +1,133 @@
+"""The rollout under a policy: tunix's vanilla rollout whose sampler runs its prefill and decode
+(and the rollout's full-sequence log-probabilities) under :func:`jmp_scaler.autocast`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from jmp_scaler.precision._autocast import autocast
+from jmp_scaler.tunix._args import dtype_arg, policy_arg
+from jmp_scaler.tunix._lazy import tunix_module
+
+#: The KV cache dtypes the rollout takes now (docs/tunix.md, "What is not reachable yet").
+CACHE_DTYPES = (np.dtype(np.float32),)
+
+
+def rollout_engine(policy: Any, *, cache_dtype: Any = "float32") -> functools.partial:
+  """tunix's vanilla rollout with the sampler's prefill and decode under ``policy``.
+
+  Pass it as tunix's ``ClusterConfig(rollout_engine=...)``, which takes a subclass of
+  tunix's ``BaseRollout`` or a ``functools.partial`` of one::
+
+    rollout_engine=jmp_tunix.rollout_engine(policy)
+
+  The rollout is tunix's ``VanillaRollout`` (same sampler, same KV cache, same sampling)
+  whose sampler's jitted prefill and decode functions run under
+  ``jmp_scaler.autocast(..., policy)``: the model's matmuls in ``policy.compute_dtype``, its
+  exponentials, logarithms, reductions and softmax in float32, from the float32 master
+  weights (the trainer's, which tunix shares with a rollout of its own). The rollout's
+  full-sequence log-probabilities (tunix's "old" log-probabilities when GRPO's
+  ``num_iterations`` is above 1) run under the same policy. Give the trainer's loss the same
+  policy (:func:`jmp_scaler.tunix.policy_loss`) so that the sampler and the trainer compute
+  in one precision.
+
+  Several rollouts under several policies (or the same) run in one process.
+
+  Args:
+    policy: a :class:`jmp_scaler.Policy` or a policy string (``"p=f32,c=f16,o=f32"``).
+    cache_dtype: the KV cache's dtype. Only ``"float32"`` for now, the dtype tunix gives the
+      cache of a model configured with ``dtype=jnp.float32``: a cache in the compute dtype
+      needs autocast to handle tunix's cache writes and its attention mask constant
+      (``K_MASK = -2.38e38``, ``-inf`` in float16), which it does not yet. The argument is
+      where the compute dtype will be asked for.
+
+  Returns:
+    A ``functools.partial`` of a ``VanillaRollout`` subclass, which tunix's ``RLCluster``
+    instantiates with the rollout model (whose ``config.dtype`` must be ``cache_dtype``).
+
+  Raises:
+    ValueError: naming the argument: a policy that does not parse, a ``cache_dtype`` that is
+      not a dtype or not float32 (when called); a rollout model whose KV cache would not be
+      ``cache_dtype`` (when tunix builds the rollout).
+    ImportError: if google-tunix is not installed.
+
+  Examples:
+    >>> from jmp_scaler import tunix as jmp_tunix
+    >>> jmp_tunix.rollout_engine("p=f32,c=f16,o=f32", cache_dtype="float16")
+    Traceback (most recent call last):
+    ...
+    ValueError: jmp_tunix.rollout_engine: cache_dtype=float16 is not supported yet: ...
+  """
+  policy = policy_arg("rollout_engine", policy)
+  cache = dtype_arg("rollout_engine", "cache_dtype", cache_dtype)
+  if cache not in CACHE_DTYPES:
+    raise ValueError(
+        f"jmp_tunix.rollout_engine: cache_dtype={cache} is not supported yet: under autocast "
+        "tunix's models write float32 keys and values into the cache, and their attention "
+        "mask constant K_MASK=-2.38e38 is -inf in float16 (docs/tunix.md, 'What is not "
+        "reachable yet'); use cache_dtype='float32' with a model built with dtype=float32")
+  return functools.partial(rollout_classes()[1], policy=policy, cache_dtype=cache)
+
+
+@functools.cache
+def rollout_classes():  # unannotated: its classes subclass tunix's, which mypy does not see
+  """``(AutocastSampler, AutocastRollout)``, built on tunix's classes at the first call."""
+  sampler_lib = tunix_module("generate.sampler")
+  vanilla_rollout = tunix_module("rl.rollout.vanilla_rollout")
+
+  class AutocastSampler(sampler_lib.Sampler):
+    """tunix's ``Sampler`` whose jitted prefill and decode bodies run under a policy.
+
+    tunix's ``__init__`` jits ``self._prefill_fn`` and ``self._decode_fn`` with its own
+    options (the sampling state donated, ``echo`` static); the bodies are overridden here.
+    """
+
+    def __init__(self, transformer, tokenizer, cache_config, *, policy, **kwargs):
+      self.jmp_policy = policy
+      super().__init__(transformer, tokenizer, cache_config, **kwargs)
+
+    def _prefill_fn(self, params, sampler_state, images=None, echo=True):
+      prefill = super()._prefill_fn
+      return autocast(prefill, self.jmp_policy)(params, sampler_state, images, echo=echo)
+
+    def _decode_fn(self, params, sampling_state):
+      return autocast(super()._decode_fn, self.jmp_policy)(params, sampling_state)
+
+  class AutocastRollout(vanilla_rollout.VanillaRollout):
+    """tunix's ``VanillaRollout`` over an :class:`AutocastSampler` (tunix's ``rollout_engine``
+    extension point: ``RLCluster`` builds it with these keyword arguments)."""
+
+    def __init__(self, rollout_actor, tokenizer, mesh=None, rollout_config=None, *, policy,
+                 cache_dtype):
+      del mesh  # the vanilla rollout runs on the mesh it is called under, as tunix's
+      config = getattr(rollout_actor, "config", None)
+      if config is None or rollout_config is None:
+        raise ValueError(
+            "jmp_tunix.rollout_engine: the rollout model must have a config (a model of "
+            "tunix's zoo) and the cluster a rollout_config")
+      self.jmp_policy = policy
+      self._sampler = AutocastSampler(
+          rollout_actor, tokenizer,
+          sampler_lib.CacheConfig(cache_size=rollout_config.kv_cache_size,
+                                  num_layers=config.num_layers,
+                                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim),
+          policy=policy)
+      allocated = np.dtype(self._sampler.dtype)
+      if allocated != cache_dtype:
+        raise ValueError(
+            f"jmp_tunix.rollout_engine: cache_dtype={cache_dtype} but tunix allocates the KV "
+            f"cache in the rollout model's dtype, {allocated} (config.dtype): build the model "
+            "with dtype=jnp.float32 and float32 parameters (the policy, not the model's "
+            "config, chooses the compute dtype)")
+
+    def get_per_token_logps(self, prompt_tokens, completion_tokens):
+      logps = super().get_per_token_logps
+      return autocast(logps, self.jmp_policy)(prompt_tokens, completion_tokens)
+
+  AutocastSampler.__qualname__ = AutocastSampler.__name__
+  AutocastRollout.__qualname__ = AutocastRollout.__name__
+  return AutocastSampler, AutocastRollout
+
