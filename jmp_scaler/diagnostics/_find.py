@@ -313,6 +313,8 @@ class _Search:
       bad = [self.names[i - n_consts] if i >= n_consts else "an array fn closes over"
              for i, ok in enumerate(self.probed.inputs_finite) if not ok]  # fmt: skip
       what = "result" if phase == "forward" or not self.probed.outputs_finite[0] else "gradient"
+      if not bad and (constant := _nonfinite_constant(J.closed(self.closed))):
+        raise ValueError(f"fn's {what} holds inf/NaN, but no operation made it: {constant}")
       raise ValueError(
         f"fn's {what} holds inf/NaN, but no operation made it: it was in the inputs already "
         f"({', '.join(bad) or 'none found'}). Check the data (jmp_scaler.nonfinite_report) and "
@@ -518,6 +520,47 @@ def _context(eqns: list, path: list) -> tuple[tuple[str, ...], str | None, bool]
   return tuple(where), policy, region
 
 
+def _nonfinite_constant(closed: Any) -> str:
+  """Where the traced function holds a non-finite half-precision constant (a literal or a
+  closed-over array, in any body), with the fix; "" if it holds none.
+
+  A float32 constant beyond float16's range (an attention mask of -2.38e38) written where the
+  model computes in float16 (``jnp.asarray(K_MASK, x.dtype)``) is converted when the function
+  is traced: the jaxpr holds ``-inf`` itself, and no operation makes it.
+  """
+  todo = [closed]
+  while todo:
+    c = J.closed(todo.pop())
+    for v, x in zip(c.jaxpr.constvars, c.consts, strict=True):
+      a = np.asarray(x)
+      if is_half(a.dtype) and not np.isfinite(a.astype(np.float32)).all():
+        return _constant_advice(str(a.dtype), "a constant array the function closes over",
+                                None)
+    for eqn in c.jaxpr.eqns:
+      for v in eqn.invars:
+        if not J.is_literal(v):
+          continue
+        a = np.asarray(v.val)
+        if is_half(a.dtype) and not np.isfinite(a.astype(np.float32)).all():
+          return _constant_advice(str(a.dtype), f"the constant {a.astype(np.float32)} "
+                                  f"({a.dtype}) of the {P.jit_name(eqn) or eqn.primitive.name} "
+                                  "call", eqn)  # fmt: skip
+      todo.extend(J.jaxprs_in_params(eqn.params))
+  return ""
+
+
+def _constant_advice(dtype: str, what: str, eqn: Any) -> str:
+  lines = C.user_lines(eqn) if eqn is not None else []
+  at = f" at {lines[0]}" if lines else ""
+  top = _largest(dtype)
+  return (f"{what}{at} is infinite in {dtype}. A float32 constant past {dtype}'s largest "
+          f"{top:g} (an attention mask value such as -2.38e38 or jnp.finfo(jnp.float32).min) "
+          f"becomes inf when the function is traced in {dtype}; with it a fully masked row's "
+          f"softmax is NaN. Write it as jnp.finfo(jnp.{dtype}).min ({-top:g}), or keep the model "
+          "in float32 and run it under jmp_scaler.autocast, which saturates such constants at "
+          f"{dtype}'s largest.")
+
+
 # ---------------------------------------------------------------- the advice
 
 
@@ -579,6 +622,15 @@ def _keep_in_float32(r: NonFiniteOp) -> str:
             f"keep it in float32 with jmp_scaler.autocast(fn, policy, rules={{{prim!r}: "
             f"'float32'}}) (every {prim}), or wrap the code at {r.source} in "
             "jmp_scaler.full_precision (this one)")
+  if prim == "convert_element_type" and r.phase == "forward" and r.inputs and (
+      not r.inputs[0].shape):
+    return (f"the cast to {half} at {r.source} gets the scalar of magnitude "
+            f"{r.inputs[0].max_abs:.4g}, past {half}'s largest {_largest(half):g}, which "
+            f"{half} makes inf: a constant of your code (an attention mask value such as "
+            f"-2.38e38 or jnp.finfo(jnp.float32).min, written for float32) must be {half}'s "
+            f"own: write it as jnp.finfo(jnp.{half}).min ({-_largest(half):g}), or keep the "
+            "model in float32 and run it under jmp_scaler.autocast, which saturates such "
+            f"constants at {half}'s largest")
   if prim == "convert_element_type":
     return (f"the cast to {half} at {r.source} gets a value of magnitude "
             f"{r.inputs[0].max_abs:.4g}, past {half}'s largest {_largest(half):g}: rescale it "

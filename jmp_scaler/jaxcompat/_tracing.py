@@ -24,12 +24,22 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jmp_scaler.jaxcompat._jaxpr import Literal
+
 try:
   from jax._src.interpreters.partial_eval import DynamicJaxprTracer
 except ImportError:  # pragma: no cover - a JAX that moved it: every walk is "unknown"
   DynamicJaxprTracer = None  # type: ignore[assignment, misc]
 
-__all__ = ["Reach", "reaches"]
+__all__ = ["Reach", "reaches", "selected_constants"]
+
+_JIT_NAMES = ("jit", "pjit")
+
+#: Primitives whose one operand's values are its result's (a constant broadcast to a mask's
+#: shape, reshaped, converted to a floating dtype at least as wide).
+_VALUE_PRESERVING = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
+    "convert_element_type"})
 
 
 class Reach(NamedTuple):
@@ -46,7 +56,8 @@ def _is_walkable(x: Any) -> bool:
 
 
 def _outer(t: Any) -> Any:
-  """The value an input of a nested trace stands for (an outer tracer or array), or ``None``."""
+  """The value an input of a nested trace stands for (an outer tracer or array, a literal's
+  value), or ``None`` for an input of the traced function."""
   frame = getattr(getattr(t, "_trace", None), "frame", None)
   consts = getattr(frame, "constvar_to_val", None)
   var = getattr(t, "val", None)
@@ -55,7 +66,7 @@ def _outer(t: Any) -> Any:
   try:
     return consts.get(var)
   except TypeError:  # a Literal (unhashable): a constant folded into the equation
-    return None
+    return getattr(var, "val", None)
 
 
 def reaches(values: Iterable[Any], target: Any, others: Iterable[Any] = ()) -> Reach:
@@ -89,3 +100,104 @@ def reaches(values: Iterable[Any], target: Any, others: Iterable[Any] = ()) -> R
     stack.extend(x for x in getattr(parent, "in_tracers", ()) if isinstance(x, jax.core.Tracer)
                  or x is target or id(x) in wanted)
   return Reach(True, False, hit_other)
+
+
+
+#: Primitives whose result holds, element by element, one of their operands' values: a
+#: constant among those operands may be among its values (a mask ``jnp.where`` chooses).
+_SELECTING = frozenset({"select_n", "max", "min", "clamp", "concatenate", "pad"})
+
+
+class _Node(NamedTuple):
+  """A value being walked: a tracer, or a variable of a call's body with the nodes its
+  inputs stand for (``outer``) and its constants."""
+
+  tracer: Any = None
+  var: Any = None
+  jaxpr: Any = None
+  outer: tuple = ()
+  consts: tuple = ()
+
+
+def selected_constants(x: Any, limit: int = 64) -> list:
+  """The constants of the traced function that some elements of ``x`` (a tracer) may hold.
+
+  Walks back from ``x`` through value-preserving ops (broadcast, reshape, convert) and ops
+  that choose among their operands' values (``select_n``, ``max``, ``min``, ``clamp``,
+  ``concatenate``, ``pad``), into the bodies of ``jit`` calls (``jnp.where`` is one), and
+  returns the concrete constants it reaches (a literal, a closed-over array): what
+  ``jnp.where(mask, scores, -2.38e38)`` holds where the mask is false. Stops at any other
+  op (an arithmetic result is no constant's) and after ``limit`` values. A concrete ``x`` is
+  its own constant.
+  """
+  found: list = []
+  stack = [_Node(tracer=x)]
+  for _ in range(limit):
+    if not stack:
+      break
+    node = stack.pop()
+    if node.tracer is not None:
+      t = node.tracer
+      if not isinstance(t, jax.core.Tracer):
+        found.append(t)
+        continue
+      if not _is_walkable(t):
+        continue
+      parent = t.parent
+      if parent is None:
+        outer = _outer(t)
+        if outer is not None:
+          stack.append(_Node(tracer=outer))
+        continue
+      ins = [_Node(tracer=i) for i in getattr(parent, "in_tracers", ())]
+      out_index = _index(getattr(parent, "outvars", ()), t.val)
+      stack.extend(_step(parent, ins, out_index))
+    else:
+      stack.extend(_var_step(node))
+  return found
+
+
+def _index(outvars: Any, var: Any) -> int | None:
+  for i, v in enumerate(outvars):
+    if v is var:
+      return i
+  return None
+
+
+def _step(eqn: Any, ins: list, out_index: int | None) -> list:
+  """The nodes an output of ``eqn`` (its ``out_index``-th) may take its values from."""
+  name = getattr(getattr(eqn, "primitive", None), "name", None)
+  if name in _VALUE_PRESERVING and len(ins) == 1:
+    return ins
+  if name == "select_n":
+    return ins[1:]
+  if name in _SELECTING:
+    return ins
+  if name in _JIT_NAMES and out_index is not None:
+    body = eqn.params.get("jaxpr")
+    inner = getattr(body, "jaxpr", body)
+    if inner is None or not hasattr(inner, "outvars"):
+      return []
+    return [_Node(var=inner.outvars[out_index], jaxpr=inner, outer=tuple(ins),
+                  consts=tuple(getattr(body, "consts", ())))]
+  return []
+
+
+def _var_step(node: _Node) -> list:
+  """The nodes a variable of a call's body may take its values from."""
+  var, jaxpr = node.var, node.jaxpr
+  if isinstance(var, Literal):
+    return [_Node(tracer=var.val)]
+  for i, v in enumerate(jaxpr.invars):
+    if v is var:
+      return [node.outer[i]] if i < len(node.outer) else []
+  for i, v in enumerate(jaxpr.constvars):
+    if v is var:
+      return [_Node(tracer=node.consts[i])] if i < len(node.consts) else []
+  for eqn in jaxpr.eqns:
+    out_index = _index(eqn.outvars, var)
+    if out_index is not None:
+      ins = [_Node(var=v, jaxpr=jaxpr, outer=node.outer, consts=node.consts)
+             for v in eqn.invars]
+      return _step(eqn, ins, out_index)
+  return []

@@ -45,6 +45,7 @@ from jax import lax
 from jmp_scaler.jaxcompat import _jaxpr as J
 from jmp_scaler.jaxcompat import _primitives as P
 from jmp_scaler.jaxcompat._jaxpr import Primitive
+from jmp_scaler.jaxcompat._tracing import selected_constants
 from jmp_scaler.jaxcompat._types import row_struct, struct
 from jmp_scaler.lowbit._block import MxFp8Recipe, Nvfp4Recipe
 from jmp_scaler.lowbit._fp8 import Fp8Recipe
@@ -238,14 +239,48 @@ def is_float(x: Any) -> bool:
 
 
 def cast(x: Any, dtype: Any) -> Any:
-  """``x`` in ``dtype`` if it is floating; anything else unchanged."""
+  """``x`` in ``dtype`` if it is floating; anything else unchanged.
+
+  A constant of the traced function (a literal or a closed-over array, perhaps broadcast to a
+  mask's shape: :func:`jmp_scaler.jaxcompat._tracing.constant_value`) whose finite values lie
+  beyond a narrower ``dtype``'s range is saturated at its largest finite number, not made
+  ``inf``: an attention mask of ``-2.38e38`` (tunix's ``K_MASK``) is ``-65504`` in float16, as
+  ``jnp.finfo(jnp.float16).min`` is the mask a float16 model writes, and a fully masked row's
+  softmax stays the uniform one float32 gives, not NaN. Infinite constants stay infinite, and
+  values computed at run time are cast as they are (an overflow there is the loss scaler's).
+  """
   if dtype is None or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
     return x
   if x.dtype == dtype and not getattr(jax.typeof(x), "weak_type", False):
     return x
+  if np.dtype(dtype).itemsize < np.dtype(x.dtype).itemsize and jnp.issubdtype(
+      dtype, jnp.floating):
+    x = _saturated(x, dtype)
   if isinstance(x, (np.ndarray, np.generic)):
     return np.asarray(x, dtype)
   return lax.convert_element_type(x, dtype)
+
+
+#: The largest constant (in elements) whose values :func:`cast` reads at trace time.
+SATURATE_BELOW = 2**20
+
+
+def _saturated(x: Any, dtype: Any) -> Any:
+  """``x`` with the values it takes from constants beyond ``dtype``'s finite range set to
+  that range's end (see :func:`cast`); ``x`` unchanged if it takes none."""
+  top = float(jnp.finfo(dtype).max)
+  if isinstance(x, (np.ndarray, np.generic)):
+    v = np.asarray(x, np.float64)
+    big = np.isfinite(v) & (np.abs(v) > top)
+    return np.where(big, np.sign(v) * top, v).astype(x.dtype) if big.any() else x
+  for value in selected_constants(x):
+    if np.size(value) > SATURATE_BELOW:
+      continue
+    v = np.asarray(value, np.float64).reshape(-1)
+    for c in np.unique(v[np.isfinite(v) & (np.abs(v) > top)]):
+      # Where x holds the constant: a value computed at run time never equals it exactly.
+      x = jnp.where(x == np.asarray(c, x.dtype), np.asarray(np.sign(c) * top, x.dtype), x)
+  return x
 
 
 def widest(dtypes: Sequence[Any]) -> Any:
