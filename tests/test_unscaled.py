@@ -152,17 +152,20 @@ def test_flax_own_train_state_holding_the_bare_chain_raises():
   _linen_step(state, lambda loss_fn, s: jax.grad(lambda p: loss_fn(p) * scale(s))(s.params))
 
 
+def _grads(params, opt_state, x, scaled):
+  """The gradients of ``loss_of``: of the scaled loss, or (``scaled=False``) by hand."""
+  loss_fn = lambda p: loss_of(p["w"], x)
+  if scaled:
+    return jmp_scaler.value_and_grad(loss_fn, opt_state)(params)[1]
+  return jax.grad(loss_fn)(params)
+
+
 def _optax_step(tx, scaled):
   params = {"w": jnp.ones((4, 2))}
 
   @jax.jit
   def step(params, opt_state, x):
-    loss_fn = lambda p: loss_of(p["w"], x)
-    if scaled:
-      grads = jmp_scaler.value_and_grad(loss_fn, opt_state)(params)[1]
-    else:
-      grads = jax.grad(loss_fn)(params)
-    return tx.update(grads, opt_state, params)
+    return tx.update(_grads(params, opt_state, x, scaled), opt_state, params)
 
   return step(params, tx.init(params), X)
 
@@ -200,11 +203,7 @@ def test_equinox_and_shard_map_steps_are_checked_too():
 
   def body(scaled):
     def step(params, opt_state, x):
-      loss_fn = lambda p: loss_of(p["w"], x)
-      if scaled:
-        grads = jmp_scaler.value_and_grad(loss_fn, opt_state)(params)[1]
-      else:
-        grads = jax.grad(loss_fn)(params)
+      grads = _grads(params, opt_state, x, scaled)
       return tx.update(jax.lax.pmean(grads, "data"), opt_state, params)
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec(), spec(), spec("data")),
                                  out_specs=spec()))
