@@ -531,7 +531,7 @@ def _nonfinite_constant(closed: Any) -> str:
   todo = [closed]
   while todo:
     c = J.closed(todo.pop())
-    for v, x in zip(c.jaxpr.constvars, c.consts, strict=True):
+    for x in c.consts:
       a = np.asarray(x)
       if is_half(a.dtype) and not np.isfinite(a.astype(np.float32)).all():
         return _constant_advice(str(a.dtype), "a constant array the function closes over",

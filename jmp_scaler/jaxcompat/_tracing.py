@@ -23,8 +23,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import jax
-
-from jmp_scaler.jaxcompat._jaxpr import Literal
+from jax.extend.core import Literal
 
 try:
   from jax._src.interpreters.partial_eval import DynamicJaxprTracer
