@@ -95,6 +95,8 @@ RUNS: dict[str, Run] = {
     "bench_skip_cuts": _bench("bench_skip_cuts.py", "--quick", "--forms", "before,+group",
                               cost=5),
     "bench_memory": _bench("bench_memory.py", "--quick", cost=16),
+    # needs google-tunix: in no group, and started only where tests/test_benchmarks.py finds it
+    "bench_rl": _bench("bench_rl.py", "--quick", cost=20),
 }
 
 

@@ -25,22 +25,29 @@ Four helpers, one per place tunix takes the piece, each given the same dtype pol
 * :func:`install_train_step`: the one replaced method, the trainer's train step,
   differentiating the scaled loss (tunix's step cannot be given a scaled loss).
 
-Floor 4, over ``scaling``, ``precision`` and ``training``. tunix (PyPI ``google-tunix``, an
-optional extra: ``pip install 'jmp_scaler[tunix]'``) is imported by the helpers when called,
-never by ``import jmp_scaler`` or by this import.
+And one diagnostic: :func:`mismatch_origin`, the first module where the sampler's decode path
+and the trainer's full forward part under a policy (its report, a ``MismatchOrigin`` of
+``LayerMismatch`` rows, is documented with it).
+
+Floor 4, over ``scaling``, ``precision``, ``training`` and ``diagnostics``. tunix (PyPI
+``google-tunix``, an optional extra: ``pip install 'jmp_scaler[tunix]'``) is imported by the
+functions when called, never by ``import jmp_scaler`` or by this import.
 
 * ``_optimizer``, ``_rollout``, ``_loss``, ``_train_step``: the four helpers;
+* ``_origin``: the diagnostic;
 * ``_accumulation``: tunix's ``optax.MultiSteps`` repaired for a loss scaler;
 * ``_lazy``: importing tunix; ``_args``: the argument checks.
 """
 
 from jmp_scaler.tunix._loss import policy_loss as policy_loss
 from jmp_scaler.tunix._optimizer import optimizer as optimizer
+from jmp_scaler.tunix._origin import mismatch_origin as mismatch_origin
 from jmp_scaler.tunix._rollout import rollout_engine as rollout_engine
 from jmp_scaler.tunix._train_step import install_train_step as install_train_step
 
 __all__ = (
     "install_train_step",
+    "mismatch_origin",
     "optimizer",
     "policy_loss",
     "rollout_engine",
