@@ -479,3 +479,35 @@ def test_the_rollout_refuses_a_model_whose_kv_cache_is_not_float32(tunix):
   with pytest.raises(ValueError, match=r"KV cache in the rollout model's dtype, bfloat16"):
     engine(rollout_actor=_qwen3(tunix, jnp.bfloat16), tokenizer=CharTokenizer(), mesh=None,
            rollout_config=config)
+
+
+HEAD = {("dot_general", r"(^|/)einsum/BTD,DV->BTV$"): "float32"}  # tunix's untied head
+
+
+def _dot_dtypes(jaxpr):
+  """The input dtypes of every dot_general in ``jaxpr`` and its bodies, in order."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      out.append(str(eqn.invars[0].aval.dtype))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out += _dot_dtypes(getattr(sub, "jaxpr", sub))
+  return out
+
+
+def test_rules_reach_the_sampler_and_the_loss_a_float32_head_in_both(tunix):
+  engine = jmp_tunix.rollout_engine(F16, rules=HEAD)
+  config = tunix.base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=4,
+                                            kv_cache_size=16)
+  rollout = engine(rollout_actor=_qwen3(tunix), tokenizer=CharTokenizer(), mesh=None,
+                   rollout_config=config)
+  tokens = jnp.ones((2, 6), jnp.int32)
+  logps = jax.make_jaxpr(rollout.get_per_token_logps)(tokens[:, :3], tokens[:, 3:])
+  dots = _dot_dtypes(logps.jaxpr)
+  assert dots.count("float32") == 1 and dots[-1] == "float32" and "float16" in dots  # the head
+  name = jmp_tunix.policy_loss(F16, rules=HEAD)
+  assert name.startswith("grpo@p=f32,c=f16,o=f32+rules:") and name != jmp_tunix.policy_loss(F16)
+  assert jmp_tunix.policy_loss(F16, rules=dict(HEAD)) == name  # the same rules, the same loss
+  with pytest.raises(ValueError, match="jmp_tunix.rollout_engine: rules names an unknown "
+                                       "primitive 'tanhh'"):
+    jmp_tunix.rollout_engine(F16, rules={"tanhh": "float32"})

@@ -9,14 +9,15 @@ from flax import nnx
 
 from jmp_scaler.precision._autocast import autocast
 from jmp_scaler.precision._policy import Policy
-from jmp_scaler.tunix._args import policy_arg
+from jmp_scaler.tunix._args import policy_arg, rules_arg, rules_key
 from jmp_scaler.tunix._lazy import tunix_module
 
-#: ``(base, policy) -> name`` of every loss :func:`policy_loss` registered in this process.
-REGISTERED: dict[tuple[str, Policy], str] = {}
+#: ``(base, policy, rules key) -> name`` of every loss :func:`policy_loss` registered in this
+#: process.
+REGISTERED: dict[tuple[str, Policy, str], str] = {}
 
 
-def _under_policy(inner: Any, policy: Policy) -> Any:
+def _under_policy(inner: Any, policy: Policy, rules: Any) -> Any:
   """``inner`` (a tunix policy loss) with the model's forward and the loss under ``policy``."""
 
   def loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
@@ -26,12 +27,12 @@ def _under_policy(inner: Any, policy: Policy) -> Any:
       return inner(nnx.merge(graphdef, state), train_example, algo_config, pad_id, eos_id,
                    **kwargs)
 
-    return autocast(on_state, policy)(state, train_example)
+    return autocast(on_state, policy, rules=rules)(state, train_example)
 
   return loss_fn
 
 
-def policy_loss(policy: Any, base: str = "grpo") -> str:
+def policy_loss(policy: Any, base: str = "grpo", *, rules: Any = None) -> str:
   """Registers tunix's policy loss ``base`` under ``policy`` and returns its name.
 
   Pass the name to the algorithm's config, tunix's public hook for the policy loss::
@@ -42,13 +43,16 @@ def policy_loss(policy: Any, base: str = "grpo") -> str:
   the model's forward and the loss under ``jmp_scaler.autocast(..., policy)``: the
   trainer's log-probabilities in the precision the sampler used
   (:func:`jmp_scaler.tunix.rollout_engine`), the loss in float32 when the policy's output
-  dtype is. The name is ``"<base>@<policy>"`` (``"grpo@p=f32,c=f16,o=f32"``); calling again
-  with the same arguments returns it without registering again.
+  dtype is. The name is ``"<base>@<policy>"`` (``"grpo@p=f32,c=f16,o=f32"``), followed by
+  ``"+rules:<digest>"`` with ``rules``; calling again with the same arguments returns it
+  without registering again.
 
   Args:
     policy: a :class:`jmp_scaler.Policy` or a policy string (``"p=f32,c=f16,o=f32"``).
     base: the name of a policy loss registered with tunix's
       ``function_registry.register_policy_loss_fn``.
+    rules: :func:`jmp_scaler.autocast`'s ``rules``, the same as the rollout's
+      (:func:`jmp_scaler.tunix.rollout_engine`): a float32 head, say. Validated here.
 
   Returns:
     The name the loss is registered under.
@@ -59,11 +63,13 @@ def policy_loss(policy: Any, base: str = "grpo") -> str:
     ImportError: if google-tunix is not installed.
   """
   policy = policy_arg("policy_loss", policy)
+  rules = rules_arg("policy_loss", policy, rules)
+  key = rules_key(rules)
   if not isinstance(base, str) or not base:
     raise ValueError(f"jmp_tunix.policy_loss: base must be a loss name such as 'grpo', got "
                      f"{base!r}")
-  if (base, policy) in REGISTERED:
-    return REGISTERED[base, policy]
+  if (base, policy, key) in REGISTERED:
+    return REGISTERED[base, policy, key]
   if base in REGISTERED.values():
     raise ValueError(
         f"jmp_tunix.policy_loss: base={base!r} is a loss this function registered, already "
@@ -76,7 +82,7 @@ def policy_loss(policy: Any, base: str = "grpo") -> str:
     raise ValueError(
         f"jmp_tunix.policy_loss: base={base!r} is not a policy loss registered with tunix "
         f"(registered: {', '.join(sorted(known))})") from err
-  name = f"{base}@{policy}"
-  registry.register_policy_loss_fn(name)(_under_policy(inner, policy))
-  REGISTERED[base, policy] = name
+  name = f"{base}@{policy}" + (f"+rules:{key}" if key else "")
+  registry.register_policy_loss_fn(name)(_under_policy(inner, policy, rules))
+  REGISTERED[base, policy, key] = name
   return name

@@ -9,14 +9,15 @@ from typing import Any
 import numpy as np
 
 from jmp_scaler.precision._autocast import autocast
-from jmp_scaler.tunix._args import dtype_arg, policy_arg
+from jmp_scaler.tunix._args import dtype_arg, policy_arg, rules_arg
 from jmp_scaler.tunix._lazy import tunix_module
 
 #: The KV cache dtypes the rollout takes now (docs/tunix.md, "What is not reachable yet").
 CACHE_DTYPES = (np.dtype(np.float32),)
 
 
-def rollout_engine(policy: Any, *, cache_dtype: Any = "float32") -> functools.partial:
+def rollout_engine(policy: Any, *, rules: Any = None,
+                   cache_dtype: Any = "float32") -> functools.partial:
   """tunix's vanilla rollout with the sampler's prefill and decode under ``policy``.
 
   Pass it as tunix's ``ClusterConfig(rollout_engine=...)``, which takes a subclass of
@@ -38,6 +39,11 @@ def rollout_engine(policy: Any, *, cache_dtype: Any = "float32") -> functools.pa
 
   Args:
     policy: a :class:`jmp_scaler.Policy` or a policy string (``"p=f32,c=f16,o=f32"``).
+    rules: :func:`jmp_scaler.autocast`'s ``rules``, the same as the trainer's
+      (:func:`jmp_scaler.tunix.policy_loss`): e.g. the head in float32 (MaxText's remedy for
+      the log-prob noise) with a scoped rule, ``{("dot_general",
+      r"(^|/)einsum/BTD,DV->BTV$|embedder_decode"): "float32"}`` on tunix's models
+      (``benchmarks/bench_rl.py``'s ``f16+head``). Validated here.
     cache_dtype: the KV cache's dtype. Only ``"float32"`` for now, the dtype tunix gives the
       cache of a model configured with ``dtype=jnp.float32``: a cache in the compute dtype
       needs autocast to handle tunix's cache writes and its attention mask constant
@@ -62,6 +68,7 @@ def rollout_engine(policy: Any, *, cache_dtype: Any = "float32") -> functools.pa
     ValueError: jmp_tunix.rollout_engine: cache_dtype=float16 is not supported yet: ...
   """
   policy = policy_arg("rollout_engine", policy)
+  rules = rules_arg("rollout_engine", policy, rules)
   cache = dtype_arg("rollout_engine", "cache_dtype", cache_dtype)
   if cache not in CACHE_DTYPES:
     raise ValueError(
@@ -69,7 +76,7 @@ def rollout_engine(policy: Any, *, cache_dtype: Any = "float32") -> functools.pa
         "tunix's models write float32 keys and values into the cache, and their attention "
         "mask constant K_MASK=-2.38e38 is -inf in float16 (docs/tunix.md, 'What is not "
         "reachable yet'); use cache_dtype='float32' with a model built with dtype=float32")
-  return functools.partial(rollout_classes()[1], policy=policy, cache_dtype=cache)
+  return functools.partial(rollout_classes()[1], policy=policy, rules=rules, cache_dtype=cache)
 
 
 @functools.cache
@@ -85,36 +92,37 @@ def rollout_classes():  # unannotated: its classes subclass tunix's, which mypy 
     options (the sampling state donated, ``echo`` static); the bodies are overridden here.
     """
 
-    def __init__(self, transformer, tokenizer, cache_config, *, policy, **kwargs):
-      self.jmp_policy = policy
+    def __init__(self, transformer, tokenizer, cache_config, *, policy, rules=None, **kwargs):
+      self.jmp_policy, self.jmp_rules = policy, rules
       super().__init__(transformer, tokenizer, cache_config, **kwargs)
 
     def _prefill_fn(self, params, sampler_state, images=None, echo=True):
-      prefill = super()._prefill_fn
-      return autocast(prefill, self.jmp_policy)(params, sampler_state, images, echo=echo)
+      prefill = autocast(super()._prefill_fn, self.jmp_policy, rules=self.jmp_rules)
+      return prefill(params, sampler_state, images, echo=echo)
 
     def _decode_fn(self, params, sampling_state):
-      return autocast(super()._decode_fn, self.jmp_policy)(params, sampling_state)
+      decode = autocast(super()._decode_fn, self.jmp_policy, rules=self.jmp_rules)
+      return decode(params, sampling_state)
 
   class AutocastRollout(vanilla_rollout.VanillaRollout):
     """tunix's ``VanillaRollout`` over an :class:`AutocastSampler` (tunix's ``rollout_engine``
     extension point: ``RLCluster`` builds it with these keyword arguments)."""
 
     def __init__(self, rollout_actor, tokenizer, mesh=None, rollout_config=None, *, policy,
-                 cache_dtype):
+                 rules=None, cache_dtype):
       del mesh  # the vanilla rollout runs on the mesh it is called under, as tunix's
       config = getattr(rollout_actor, "config", None)
       if config is None or rollout_config is None:
         raise ValueError(
             "jmp_tunix.rollout_engine: the rollout model must have a config (a model of "
             "tunix's zoo) and the cluster a rollout_config")
-      self.jmp_policy = policy
+      self.jmp_policy, self.jmp_rules = policy, rules
       self._sampler = AutocastSampler(
           rollout_actor, tokenizer,
           sampler_lib.CacheConfig(cache_size=rollout_config.kv_cache_size,
                                   num_layers=config.num_layers,
                                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim),
-          policy=policy)
+          policy=policy, rules=rules)
       allocated = np.dtype(self._sampler.dtype)
       if allocated != cache_dtype:
         raise ValueError(
@@ -125,7 +133,8 @@ def rollout_classes():  # unannotated: its classes subclass tunix's, which mypy 
 
     def get_per_token_logps(self, prompt_tokens, completion_tokens):
       logps = super().get_per_token_logps
-      return autocast(logps, self.jmp_policy)(prompt_tokens, completion_tokens)
+      return autocast(logps, self.jmp_policy, rules=self.jmp_rules)(prompt_tokens,
+                                                                   completion_tokens)
 
   AutocastSampler.__qualname__ = AutocastSampler.__name__
   AutocastRollout.__qualname__ = AutocastRollout.__name__
