@@ -87,7 +87,7 @@ def reward(prompts, completions, **kwargs):
   it starts with the sum's first digit."""
   out = []
   for prompt, completion in zip(prompts, completions, strict=True):
-    a, b = str(np.asarray(prompt).reshape(-1)[0])[:-1].split("+")  # tunix hands numpy strings
+    a, b = str(prompt)[:-1].split("+")
     digits = sum(c.isdigit() for c in completion) / max(len(completion), 1)
     out.append(digits + float(completion[:1] == str(int(a) + int(b))[:1]))
   return out
@@ -122,7 +122,10 @@ def grpo(policy: str, steps: int):
   trainer.with_rl_metrics_to_log(
       {**trainer.rl_metrics_to_log, "loss_scale": np.min, "loss_scale_skips": np.max})
   if steps:
-    learner.train([{"prompts": PROMPTS[i * BATCH % 32:][:BATCH]} for i in range(steps)])
+    # A NumPy array: tunix repeats each prompt per generation with np.repeat (a list of strings
+    # would become one array of characters, each prompt one completion).
+    learner.train([{"prompts": np.array(PROMPTS[i * BATCH % 32:][:BATCH])}
+                   for i in range(steps)])
   return cluster
 
 

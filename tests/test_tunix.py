@@ -252,7 +252,8 @@ def _grpo(tunix, policy, steps, checkpoints=None):
     return prepare(example)
 
   trainer._prepare_inputs = record
-  learner.train([{"prompts": PROMPTS[i * BATCH:(i + 1) * BATCH]} for i in range(steps)])
+  # A NumPy array of prompts (tunix repeats each per generation with np.repeat; a list would not).
+  learner.train([{"prompts": np.array(PROMPTS[i * BATCH:(i + 1) * BATCH])} for i in range(steps)])
   history = lambda n: list(trainer.metrics_logger.get_metric_history("actor", n, "train"))  # noqa: E731
   run.loss, run.grad_norm = history("loss"), history("grad_norm")
   run.metrics = jmp_scaler.to_scalars(jmp_scaler.scale_metrics(trainer.optimizer))
