@@ -112,8 +112,9 @@ def test_wrong_uses_raise_naming_the_argument():
     jmp_tunix.optimizer(BF16, sgd, growth_interval=0)  # validated under every policy
   with pytest.raises(ValueError, match=r"jmp_tunix.rollout_engine: policy='fp16'"):
     jmp_tunix.rollout_engine("fp16")
-  with pytest.raises(ValueError, match="cache_dtype=float16 is not supported yet.*K_MASK"):
-    jmp_tunix.rollout_engine(F16, cache_dtype="float16")
+  with pytest.raises(ValueError, match="cache_dtype=bfloat16 must be float32 or the policy's "
+                                       "compute dtype, float16"):
+    jmp_tunix.rollout_engine(F16, cache_dtype="bfloat16")
   with pytest.raises(ValueError, match="cache_dtype='bytes' is not a dtype"):
     jmp_tunix.rollout_engine(F16, cache_dtype="bytes")
   with pytest.raises(ValueError, match=r"jmp_tunix.policy_loss: policy=None"):
@@ -512,3 +513,28 @@ def test_rules_reach_the_sampler_and_the_loss_a_float32_head_in_both(tunix):
   with pytest.raises(ValueError, match="jmp_tunix.rollout_engine: rules names an unknown "
                                        "primitive 'tanhh'"):
     jmp_tunix.rollout_engine(F16, rules={"tanhh": "float32"})
+
+
+def test_a_float16_kv_cache_samples_finite_log_probabilities_from_left_padded_prompts(tunix):
+  """A model configured in float16 (float32 master weights) keeps its KV cache in float16 from
+  step to step; tunix's K_MASK, -inf in float16, is saturated, so a left-padded prompt's fully
+  masked rows are not NaN; the log-probabilities are the float32 cache's to float16's rounding."""
+  config = tunix.base_rollout.RolloutConfig(
+      max_tokens_to_generate=GEN, max_prompt_length=8, kv_cache_size=32, temperature=1.0,
+      top_p=1.0, top_k=None, return_logprobs=True)
+  prompts = ["1+2=", "3+4+5+6=", "7="]  # of three lengths: the shorter ones are left-padded
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  runs = {}
+  for dtype in (jnp.float32, jnp.float16):
+    engine = jmp_tunix.rollout_engine(F16, cache_dtype=dtype)
+    rollout = engine(rollout_actor=_qwen3(tunix, dtype), tokenizer=CharTokenizer(), mesh=None,
+                     rollout_config=config)
+    with jax.set_mesh(mesh):
+      runs[dtype] = rollout.generate(prompts, config)
+    assert np.dtype(rollout._sampler.dtype) == dtype
+  assert tunix.qwen3.K_MASK == -65504.0
+  half, full = runs[jnp.float16], runs[jnp.float32]
+  assert [list(t) for t in half.tokens] == [list(t) for t in full.tokens]
+  for h, f in zip(half.logprobs, full.logprobs, strict=True):
+    assert np.isfinite(np.asarray(h)).all()
+    np.testing.assert_allclose(np.asarray(h), np.asarray(f), atol=5e-3)

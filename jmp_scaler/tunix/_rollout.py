@@ -4,16 +4,46 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_scaler.precision._autocast import autocast
 from jmp_scaler.tunix._args import dtype_arg, policy_arg, rules_arg
 from jmp_scaler.tunix._lazy import tunix_module
 
-#: The KV cache dtypes the rollout takes now (docs/tunix.md, "What is not reachable yet").
-CACHE_DTYPES = (np.dtype(np.float32),)
+#: tunix's models whose attention mask constant ``K_MASK`` a float16 cache saturates.
+MASKED_MODELS = ("gemma", "gemma3", "gemma4", "llama3", "qwen2", "qwen3")
+
+
+def finite_masks(dtype: Any) -> list[str]:
+  """Sets ``K_MASK`` of tunix's models to ``dtype``'s finite minimum where it is beyond it.
+
+  tunix's models mask attention scores with ``jnp.where(mask, scores, K_MASK)``, ``K_MASK =
+  -2.38e38``: in a model computing in float16 (``config.dtype``) the constant is converted
+  when the function is traced, to ``-inf``, and a fully masked row (a left-padded prompt's
+  padding) is NaN. The one module constant of tunix that jmp_scaler replaces: with
+  ``-65504`` (``jnp.finfo(jnp.float16).min``) the row's softmax is the uniform one float32
+  gives, and every other row is what it is with ``-2.38e38`` (a score of a real token is never
+  near -65504). Process-wide, for the models already imported and those imported later by
+  the same name (the constant is read when a model is traced). Returns the modules changed.
+  """
+  low = float(jnp.finfo(dtype).min)
+  changed = []
+  for name in MASKED_MODELS:
+    module = sys.modules.get(f"tunix.models.{name}.model")
+    if module is None:
+      try:
+        module = tunix_module(f"models.{name}.model")
+      except ImportError:  # a tunix without this model
+        continue
+    if getattr(module, "K_MASK", 0.0) < low:
+      module.K_MASK = low
+      changed.append(module.__name__)
+  return changed
 
 
 def rollout_engine(policy: Any, *, rules: Any = None,
@@ -44,11 +74,17 @@ def rollout_engine(policy: Any, *, rules: Any = None,
       the log-prob noise) with a scoped rule, ``{("dot_general",
       r"(^|/)einsum/BTD,DV->BTV$|embedder_decode"): "float32"}`` on tunix's models
       (``benchmarks/bench_rl.py``'s ``f16+head``). Validated here.
-    cache_dtype: the KV cache's dtype. Only ``"float32"`` for now, the dtype tunix gives the
-      cache of a model configured with ``dtype=jnp.float32``: a cache in the compute dtype
-      needs autocast to handle tunix's cache writes and its attention mask constant
-      (``K_MASK = -2.38e38``, ``-inf`` in float16), which it does not yet. The argument is
-      where the compute dtype will be asked for.
+    cache_dtype: the KV cache's dtype: ``"float32"`` (the default, a model configured
+      with ``dtype=jnp.float32``, the policy choosing the compute dtype) or the policy's
+      compute dtype (half the cache's memory, the keys and values the sampler reads in the
+      precision the trainer computes them). tunix allocates the cache in the model's
+      ``config.dtype`` and writes the keys and values as the model computes them, so a half
+      cache needs a model configured with ``dtype=`` that dtype and
+      ``param_dtype=jnp.float32`` (its own casts then run the attention in half precision,
+      the float32 master weights stay); a float16 cache also sets tunix's attention mask
+      constant to float16's finite minimum (:func:`finite_masks`, process-wide), which is
+      ``-inf`` in float16 as tunix writes it. The sampler keeps the cache in its dtype from
+      one step to the next (the policy's output dtype applies to what the sampler returns).
 
   Returns:
     A ``functools.partial`` of a ``VanillaRollout`` subclass, which tunix's ``RLCluster``
@@ -62,21 +98,29 @@ def rollout_engine(policy: Any, *, rules: Any = None,
 
   Examples:
     >>> from jmp_scaler import tunix as jmp_tunix
-    >>> jmp_tunix.rollout_engine("p=f32,c=f16,o=f32", cache_dtype="float16")
+    >>> jmp_tunix.rollout_engine("p=f32,c=f16,o=f32", cache_dtype="bfloat16")
     Traceback (most recent call last):
     ...
-    ValueError: jmp_tunix.rollout_engine: cache_dtype=float16 is not supported yet: ...
+    ValueError: jmp_tunix.rollout_engine: cache_dtype=bfloat16 must be float32 or the policy's ...
   """
   policy = policy_arg("rollout_engine", policy)
   rules = rules_arg("rollout_engine", policy, rules)
   cache = dtype_arg("rollout_engine", "cache_dtype", cache_dtype)
-  if cache not in CACHE_DTYPES:
+  if cache not in (np.dtype(np.float32), policy.compute_dtype):
     raise ValueError(
-        f"jmp_tunix.rollout_engine: cache_dtype={cache} is not supported yet: under autocast "
-        "tunix's models write float32 keys and values into the cache, and their attention "
-        "mask constant K_MASK=-2.38e38 is -inf in float16 (docs/tunix.md, 'What is not "
-        "reachable yet'); use cache_dtype='float32' with a model built with dtype=float32")
+        f"jmp_tunix.rollout_engine: cache_dtype={cache} must be float32 or the policy's "
+        f"compute dtype, {policy.compute_dtype}")
+  if cache == np.dtype(np.float16):
+    finite_masks(cache)
   return functools.partial(rollout_classes()[1], policy=policy, rules=rules, cache_dtype=cache)
+
+
+def _keep_cache(new: Any, old: Any) -> Any:
+  """``new`` (a sampling state autocast returned, its floating leaves in the policy's output
+  dtype) with its KV cache back in the dtype the cache had: what the model writes into it
+  next step (a float16 cache's values round-trip float32 exactly)."""
+  cache = jax.tree.map(lambda n, o: n.astype(o.dtype), new.cache, old.cache)
+  return new.replace(cache=cache)
 
 
 @functools.cache
@@ -98,11 +142,11 @@ def rollout_classes():  # unannotated: its classes subclass tunix's, which mypy 
 
     def _prefill_fn(self, params, sampler_state, images=None, echo=True):
       prefill = autocast(super()._prefill_fn, self.jmp_policy, rules=self.jmp_rules)
-      return prefill(params, sampler_state, images, echo=echo)
+      return _keep_cache(prefill(params, sampler_state, images, echo=echo), sampler_state)
 
     def _decode_fn(self, params, sampling_state):
       decode = autocast(super()._decode_fn, self.jmp_policy, rules=self.jmp_rules)
-      return decode(params, sampling_state)
+      return _keep_cache(decode(params, sampling_state), sampling_state)
 
   class AutocastRollout(vanilla_rollout.VanillaRollout):
     """tunix's ``VanillaRollout`` over an :class:`AutocastSampler` (tunix's ``rollout_engine``
@@ -128,8 +172,9 @@ def rollout_classes():  # unannotated: its classes subclass tunix's, which mypy 
         raise ValueError(
             f"jmp_tunix.rollout_engine: cache_dtype={cache_dtype} but tunix allocates the KV "
             f"cache in the rollout model's dtype, {allocated} (config.dtype): build the model "
-            "with dtype=jnp.float32 and float32 parameters (the policy, not the model's "
-            "config, chooses the compute dtype)")
+            f"with dtype=jnp.{cache_dtype} and param_dtype=jnp.float32 (float32 master "
+            "weights; for a float32 cache, dtype=jnp.float32: the policy chooses the compute "
+            "dtype)")
 
     def get_per_token_logps(self, prompt_tokens, completion_tokens):
       logps = super().get_per_token_logps
