@@ -89,3 +89,42 @@ def test_find_nonfinite_names_the_constant_and_the_fix_in_a_float16_model():
     with pytest.raises(ValueError, match=r"the constant -inf \(float16\) of the _where call at "
                        r".*test_autocast_constants.py:\d+ .*jnp.finfo\(jnp.float16\).min"):
       jmp_scaler.find_nonfinite(baked, q, k, MASK)
+
+
+def _attention_weights(q, k, mask):
+  """A float32 model's masked softmax, as written (Flax's and this repo's benchmarks)."""
+  s = jnp.einsum("qd,kd->qk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+  s = jnp.where(mask, s, jnp.finfo(s.dtype).min)  # a float32 fill: finfo(float32).min
+  return jax.nn.softmax(s, axis=-1)
+
+
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_a_masks_fill_keeps_the_scores_half_and_is_saturated_not_minus_inf(half):
+  """The scores' scaling and mask stay in the compute dtype (the softmax widens its input
+  itself; a scalar fill does not widen the scores, as masked_fill fills in the scores' dtype),
+  so no score-sized float32 value is stored before the softmax; float32's lowest number is
+  float16's -65504 (bfloat16's lowest), not -inf: the fully masked row is uniform, not NaN."""
+  rng = np.random.default_rng(1)
+  q, k = (jnp.asarray(rng.normal(size=(4, 8)), jnp.float32) for _ in range(2))
+  f = jmp_scaler.autocast(_attention_weights, f"p=f32,c={half},o=f32")
+  jaxpr = jax.make_jaxpr(f)(q, k, MASK).eqns[0].params["jaxpr"].jaxpr
+  dtype = jnp.dtype(jnp.float16 if half == "f16" else jnp.bfloat16)
+  # Every (4, 4) value before the softmax (the last equation, float32 inside) is half.
+  shaped = [(e.primitive.name, v.aval.dtype) for e in jaxpr.eqns for v in e.outvars
+            if v.aval.shape == (4, 4) and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+  assert [d for _, d in shaped[:-1]] == [dtype] * (len(shaped) - 1), shaped
+  assert [n for n, _ in shaped[:-1]] == ["dot_general", "div", "jit"], shaped  # the where
+  assert shaped[-1][1] == jnp.float32  # the softmax's result, float32 as torch's
+  out = np.asarray(f(q, k, MASK))
+  np.testing.assert_array_equal(out[0], np.full(4, 0.25, np.float32))  # uniform, not NaN
+  np.testing.assert_allclose(out, _attention_weights(q, k, MASK), atol=2e-2)
+  grads = jax.grad(lambda q: f(q, k, MASK)[1:, 0].sum())(q)
+  assert np.isfinite(np.asarray(grads)).all()
+
+
+def test_a_fill_computed_at_run_time_that_is_infinite_stays_infinite():
+  """Saturation is for finite fills beyond the half dtype's range: a -inf fill is kept."""
+  f = jmp_scaler.autocast(lambda s, m, c: jnp.where(m, s, c), "p=f32,c=f16,o=f32")
+  s16 = S.astype(jnp.float16)
+  out = np.asarray(f(s16, MASK, jnp.float32(-jnp.inf) * jnp.ones(())))
+  assert np.isneginf(out[0]).all() and np.isfinite(out[1:][MASK[1:]]).all()

@@ -48,12 +48,21 @@ _MARKS = (AUTOCAST_MARK, FULL_PRECISION_MARK)
 # ---------------------------------------------------------------- the interpreter
 
 
-def _is_weak(var: Any) -> bool:
-  """Scalars (``x * 0.5``, a 0-d array: PyTorch's zero-dim tensors) and weakly typed values
-  do not drive promotion when a dimensioned value is there (``x16 / jnp.sqrt(d)`` is
-  float16, as ``x16 / torch.tensor(8.)`` is in PyTorch)."""
+def _is_weak(var: Any, fills: frozenset = frozenset()) -> bool:
+  """Scalars (``x * 0.5``, a 0-d array: PyTorch's zero-dim tensors), a scalar broadcast to a
+  shape (``fills``: ``jnp.where(mask, x, jnp.finfo(x.dtype).min)`` broadcasts its fill, as
+  ``x.masked_fill(mask, value)`` fills in ``x``'s dtype) and weakly typed values do not drive
+  promotion when a dimensioned value is there (``x16 / jnp.sqrt(d)`` is float16, as ``x16 /
+  torch.tensor(8.)`` is in PyTorch). A fill narrowed so is saturated, not made infinite, if
+  it is a constant (:func:`._rules.cast`)."""
   aval = var.aval
-  return not aval.shape or bool(getattr(aval, "weak_type", False))
+  if not aval.shape or getattr(aval, "weak_type", False):
+    return True
+  return _is_fill(var, fills)
+
+
+def _is_fill(var: Any, fills: frozenset) -> bool:
+  return not J.is_literal(var) and var in fills
 
 
 def _widen(x: Any) -> Any:
@@ -95,6 +104,7 @@ class _Interpreter:
     self.matched: set[int] = set()  # the scoped rules that matched an equation (by index)
     self.paths: dict[str, set[str]] = {}  # a scoped rule's primitive -> its module paths
     self._in_activation = False
+    self._fills: frozenset = frozenset()  # the plan's of the jaxpr being run
     self._bodies: dict[Any, Callable] = {}
     finder = Finder(composites or {}, own)
     self.planner = Planner(table, self._body_of, given, finder)
@@ -115,6 +125,13 @@ class _Interpreter:
     """
     closed = J.closed(jaxpr)
     plan = self.planner.plan(closed.jaxpr, widened, fed_out)
+    outer_fills, self._fills = self._fills, plan.fills
+    try:
+      return self._run(closed, args, plan)
+    finally:
+      self._fills = outer_fills
+
+  def _run(self, closed: Any, args: Sequence[Any], plan: Any) -> list:
     env: dict[Any, Any] = {}
     read = lambda v: J.read_literal(v, env)
     env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
@@ -331,10 +348,13 @@ class _Interpreter:
     if not floats or rule not in R.TARGETS:
       return args, params
     dtypes = [args[i].dtype for i in floats]
-    weak = [_is_weak(eqn.invars[i]) for i in floats]
+    weak = [_is_weak(eqn.invars[i], self._fills) for i in floats]
     target = R.TARGETS[rule](self.policy.compute_dtype, dtypes, weak)
     if len(set(dtypes)) > 1 or dtypes[0] != target:
-      args = [cast(a, target) if i in floats else a for i, a in enumerate(args)]
+      narrow = np.dtype(target).itemsize
+      args = [cast(R.saturated_fill(a, target) if _is_fill(eqn.invars[i], self._fills)
+                   and np.dtype(a.dtype).itemsize > narrow else a, target)
+              if i in floats else a for i, a in enumerate(args)]  # fmt: skip
     pref = params.get("preferred_element_type")
     if pref is not None and jnp.issubdtype(pref, jnp.floating):
       params["preferred_element_type"] = np.dtype(target)

@@ -15,9 +15,11 @@ it decides two things, from the dtypes it was traced with:
   floating result is used only by float32 ops (an op under the ``"float32"`` rule,
   a cast to float32 or wider, the output cast to a float32 ``output_dtype``, another
   such op) runs in float32 itself: the ``sub`` and ``abs`` of an L1 loss, the ``mul``
-  of ``addcmul``, the scaling of attention scores before the softmax. Uses with no
-  floating result (comparisons) do not count; data movement (``reshape``,
-  ``broadcast_in_dim``, ``select_n``, ...) passes the use on without being cast.
+  of ``addcmul``. Uses with no floating result (comparisons) do not count, nor does a
+  composite under the ``"float32"`` rule (a softmax, a norm), which widens its input itself:
+  the scaling of attention scores before the softmax stays in the compute dtype, as in
+  PyTorch; data movement (``reshape``, ``broadcast_in_dim``, ``select_n``, ...) passes the
+  use on without being cast.
 
 It also finds two kinds of ops that are one op to ``torch.autocast`` but several in a
 jaxpr: activation functions (:mod:`._composites`: each call is one op, in its input's
@@ -58,6 +60,9 @@ class Plan:
     groups: the first member's index -> each activation's :class:`~._composites.Group`; it
       runs in float32 if its first member is in ``float32`` (its results feed float32 ops).
     bias_adds: index of a bias add -> which of its inputs is the matmul's result.
+    fills: the values that are a scalar broadcast to a shape (``jnp.where(mask, x,
+      jnp.finfo(x.dtype).min)``'s fill, ``jnp.full_like``): PyTorch's zero-dim tensors, which
+      do not drive promotion against a dimensioned value (:func:`._autocast._is_weak`).
   """
 
   float32: frozenset[int]
@@ -67,6 +72,7 @@ class Plan:
   calls_fed: Mapping[int, tuple[bool, ...]]
   groups: Mapping[int, Group] = dataclasses.field(default_factory=dict)
   bias_adds: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  fills: frozenset = NONE
 
 
 def _floating(v: Any) -> bool:
@@ -100,6 +106,7 @@ class Planner:
     self._trips: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     self._bias: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    self._fills: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def rule(self, eqn: Any) -> str:
     rule = self.table.get(eqn.primitive.name)
@@ -122,8 +129,13 @@ class Planner:
     (round_trips, widened), (float32, feeds, calls) = trips[widened_in], fed[fed_out]
     if jaxpr not in self._bias:
       self._bias[jaxpr] = self._bias_adds(jaxpr)
+      self._fills[jaxpr] = frozenset(
+        e.outvars[0] for e in jaxpr.eqns
+        if e.primitive.name == "broadcast_in_dim" and not np.shape(e.invars[0].aval)
+        and _floating(e.outvars[0]))
     groups = self.finder.groups(jaxpr)
-    return Plan(float32, round_trips, widened, feeds, calls, groups, self._bias[jaxpr])
+    return Plan(float32, round_trips, widened, feeds, calls, groups, self._bias[jaxpr],
+                self._fills[jaxpr])
 
   # -------------------------------------------------------------- round trips
 
@@ -216,6 +228,8 @@ class Planner:
     def uses_in_float32(i: int, k: int) -> bool | None:  # None: no floating result
       eqn = jaxpr.eqns[i]
       if i in group_of:  # an activation: one op, float32 if its results feed float32 ops
+        if group_of[i].rule == R.FLOAT32:
+          return None  # widens its input itself: no reason to compute the input in float32
         return group_of[i].members[0] in float32
       if not any(_floating(v) for v in eqn.outvars):
         return None

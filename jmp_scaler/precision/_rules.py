@@ -283,6 +283,17 @@ def _saturated(x: Any, dtype: Any) -> Any:
   return x
 
 
+def saturated_fill(x: Any, dtype: Any) -> Any:
+  """A fill (a scalar broadcast to a shape) that promotion narrows to ``dtype``, its finite
+  values beyond ``dtype``'s range set to that range's end: ``jnp.where(mask, x,
+  jnp.finfo(jnp.float32).min)`` masks with ``dtype``'s lowest finite number, as a model
+  written for ``dtype`` does, not with ``-inf`` (a fully masked row's softmax would be NaN).
+  Infinite and NaN fills stay as they are. The fill is traced inside jnp's jit, so its value
+  is not known here: the clip is computed (XLA fuses it into the broadcast)."""
+  top = float(jnp.finfo(dtype).max)
+  return jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
+
+
 def widest(dtypes: Sequence[Any]) -> Any:
   """The widest floating dtype among ``dtypes`` (float16 and bfloat16 give float32)."""
   out = None
