@@ -30,9 +30,14 @@ W = jnp.asarray(_RNG.normal(size=(64, 64)) / 8, jnp.float32)
 B = jnp.asarray(_RNG.normal(size=(64,)), jnp.float32)
 ACTIVATIONS = {
   "gelu": jax.nn.gelu, "gelu_erf": lambda x: jax.nn.gelu(x, approximate=False),
-  "silu": jax.nn.silu, "relu": jax.nn.relu, "relu6": jax.nn.relu6, "elu": jax.nn.elu,
-  "leaky_relu": jax.nn.leaky_relu, "mish": jax.nn.mish, "selu": jax.nn.selu,
+  "silu": jax.nn.silu, "elu": jax.nn.elu, "leaky_relu": jax.nn.leaky_relu,
+  "mish": jax.nn.mish, "selu": jax.nn.selu,
   "hard_silu": jax.nn.hard_silu, "flax_gelu": nn.gelu, "nnx_silu": nnx.silu,
+}
+# Piecewise linear: decided primitive by primitive, in the input's dtype, no jax.checkpoint.
+PIECEWISE_LINEAR = {
+  "relu": jax.nn.relu, "relu6": jax.nn.relu6, "hard_tanh": jax.nn.hard_tanh,
+  "flax_relu": nn.relu,
 }
 
 
@@ -74,6 +79,27 @@ def test_an_activation_is_one_op_in_its_inputs_dtype_computed_in_float32(name):
   assert remat[0].invars[0].aval.dtype == jnp.float16  # it reads (and keeps) the half input
   muls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "mul"]
   assert muls[-1].outvars[0].aval.dtype == jnp.float16  # the next op reads a half value
+
+
+@pytest.mark.parametrize("name", PIECEWISE_LINEAR)
+def test_a_piecewise_linear_activation_runs_in_its_inputs_dtype_without_remat(name):
+  """relu and its kin: every op in the input's dtype, no jax.checkpoint (which would keep XLA
+  from fusing them into the matmul), the result that of float32 rounded once, and the backward
+  keeps half-precision values only."""
+  act = PIECEWISE_LINEAR[name]
+  f = jmp_scaler.autocast(lambda w, x: act(x @ w), "p=f32,c=f16,o=f16")
+  jaxpr = jax.make_jaxpr(f)(W, X32)
+  assert not [e for e in eqns(jaxpr) if e.primitive.name in ("remat2", "checkpoint")]
+  inner = jaxpr.eqns[0].params["jaxpr"]
+  floats = {v.aval.dtype for e in eqns(inner) for v in e.outvars  # but a clip's bounds,
+            if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.shape == (4, 64)
+            and e.primitive.name != "broadcast_in_dim"}  # scalars broadcast (XLA folds them)
+  assert floats == {jnp.dtype(jnp.float16)}, floats
+  matmul = jmp_scaler.autocast(lambda w, x: x @ w, "p=f32,c=f16,o=f16")(W, X32)
+  want = act(matmul.astype(jnp.float32)).astype(jnp.float16)  # float32, rounded once
+  np.testing.assert_array_equal(f(W, X32), want)
+  saved = _saved(lambda w: f(w, X32).astype(jnp.float32).sum(), W)
+  assert set(saved) <= {"float16", "bool"}, saved
 
 
 @pytest.mark.parametrize("name", ["gelu", "silu", "mish"])

@@ -51,11 +51,16 @@ COMPOSITE_RULES = (ACTIVATION, "float32", "primitives")
 #: equinox (their ``__call__``), in float32 as torch's float32 list has them; batch norm in
 #: its input's dtype (torch lists it nowhere: cuDNN's kernel returns its input's dtype).
 #: ``sigmoid``, ``softplus`` and ``log_sigmoid`` are not here: torch lists softplus as
-#: float32, and ``logistic`` is float32 here (docs/autocast.md); each runs as it is.
+#: float32, and ``logistic`` is float32 here (docs/autocast.md); each runs as it is. Nor are
+#: the piecewise-linear ``relu``, ``relu6`` and ``hard_tanh``: decided primitive by primitive
+#: (``max``, ``min``, ``select_n``) they stay in their input's dtype and round at most once,
+#: as one op would (``leaky_relu``'s slope would be rounded), and XLA fuses them into the
+#: matmul or convolution before them (under ``jax.checkpoint`` it could not: a ResNet's step
+#: compiled for TPU v5e needed 222 MiB of temp memory with them as composites, 157 without).
 DEFAULT_COMPOSITES: dict[str, str] = {
   **dict.fromkeys((
-    "gelu", "silu", "relu", "relu6", "elu", "celu", "selu", "leaky_relu", "mish", "glu",
-    "hard_tanh", "hard_sigmoid", "hard_silu", "squareplus", "sparse_plus", "soft_sign",
+    "gelu", "silu", "elu", "celu", "selu", "leaky_relu", "mish", "glu",
+    "hard_sigmoid", "hard_silu", "squareplus", "sparse_plus", "soft_sign",
     "BatchNorm.__call__",
   ), ACTIVATION),
   **dict.fromkeys((

@@ -289,9 +289,13 @@ def saturated_fill(x: Any, dtype: Any) -> Any:
   jnp.finfo(jnp.float32).min)`` masks with ``dtype``'s lowest finite number, as a model
   written for ``dtype`` does, not with ``-inf`` (a fully masked row's softmax would be NaN).
   Infinite and NaN fills stay as they are. The fill is traced inside jnp's jit, so its value
-  is not known here: the clip is computed (XLA fuses it into the broadcast)."""
+  is not known here: the clip is computed on the scalar, which is broadcast again."""
+  if not x.size:
+    return x
   top = float(jnp.finfo(dtype).max)
-  return jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
+  s = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())  # the value it holds
+  s = jnp.where(jnp.isfinite(s), jnp.clip(s, -top, top), s)
+  return lax.broadcast_in_dim(s, x.shape, ())
 
 
 def widest(dtypes: Sequence[Any]) -> Any:
