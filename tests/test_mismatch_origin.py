@@ -180,9 +180,15 @@ def test_the_paths_are_the_rollout_s_sampler_and_trainer(float32, bfloat16):
 
 
 def test_in_bfloat16_the_origin_is_the_first_module_whose_input_agrees_and_output_not(bfloat16):
-  """Where is XLA's to say (jax 0.10's XLA:CPU: layers.0.attn; jax 0.12's: lm_head, the
-  attention agreeing exactly as written); what the origin is, is the function's."""
+  """Where is XLA's to say (jax 0.10's XLA:CPU: layers.0.attn; jax 0.12.0's: lm_head, the
+  attention agreeing exactly as written; jax 0.12.1's: nowhere, the paths agree as written and
+  the mismatch XLA compiles is its excess precision); what the origin is, is the function's."""
   report = bfloat16.report
+  if report.origin is None:  # jax 0.12.1's XLA:CPU: the paths agree as written, to the bit
+    assert report.layer("logits").difference <= report.tolerance, str(report)
+    assert "origin: none" in str(report)
+    assert max(report.excess_precision) > 0  # what the compiled paths differ by is XLA's
+    return
   assert report.origin is not None, str(report)
   names = [row.name for row in report.layers]
   row = report.layer(report.origin)

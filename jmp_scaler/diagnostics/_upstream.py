@@ -115,7 +115,12 @@ def _library(eqn: Any) -> str:
 
 def _name(eqn: Any) -> str:
   name = eqn.primitive.name
-  return f"{P.jit_name(eqn)} (a jitted function)" if name in P.JIT_NAMES else name
+  if name in P.JIT_NAMES:
+    return f"{P.jit_name(eqn)} (a jitted function)"
+  if name in P.CUSTOM_NAMES:  # jax.nn.softmax is one custom_jvp from jax 0.12.1 on
+    fn = J.function_name(P.call_body(eqn))
+    return f"{fn} (a {name.removesuffix('_call')} function)" if fn else name
+  return name
 
 
 def _float(a: Any) -> np.ndarray:
