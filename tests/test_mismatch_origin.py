@@ -21,9 +21,10 @@ from flax import nnx
 
 import jmp_scaler
 from jmp_scaler import tunix as jmp_tunix
+from tests import _tunix as T
+from tests._tunix import PAD, SIZES, CharTokenizer
 
 F32, BF16 = "p=f32,c=f32,o=f32", "p=f32,c=bf16,o=f32"
-PAD = 0
 PROMPTS = [f"{i // 4}+{i % 4}=" for i in range(32)]
 TOKENS = 24  # 32 prompts x (8 + 24) positions: XLA:CPU's bfloat16 paths part at this size
 
@@ -66,40 +67,8 @@ def tunix():
                                base_rollout=base_rollout)
 
 
-class CharTokenizer:
-  """What tunix's TokenizerAdapter needs: 5 specials and 43 characters, 48 ids."""
-
-  vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "<sep>",
-           *"abcdefghijklmnopqrstuvwxyz0123456789 +-=?.,"]
-
-  def __init__(self):
-    self.ids = {c: i for i, c in enumerate(self.vocab)}
-
-  def encode(self, text, **kwargs):
-    return [1] + [self.ids.get(c, 3) for c in text]
-
-  def decode(self, ids, **kwargs):
-    return "".join(self.vocab[i] for i in ids if i >= 5)
-
-  def bos_id(self):
-    return 1
-
-  def eos_id(self):
-    return 2
-
-  def pad_id(self):
-    return PAD
-
-
-SIZES = dict(num_layers=2, vocab_size=48, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
-             num_kv_heads=2, rope_theta=10000, norm_eps=1e-6)
-
-
 def _qwen3(tunix):
-  config = tunix.qwen3.ModelConfig(
-      **SIZES, use_tied_embedding=False, dtype=jnp.float32, param_dtype=jnp.float32,
-      shd_config=tunix.qwen3.ShardingConfig.get_default_sharding())
-  return tunix.qwen3.Qwen3(config, rngs=nnx.Rngs(params=0))
+  return T.qwen3(tunix.qwen3)
 
 
 def _rollout(tunix, model, policy):

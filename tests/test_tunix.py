@@ -26,6 +26,8 @@ from flax import nnx
 import jmp_scaler
 from jmp_scaler import tunix as jmp_tunix
 from jmp_scaler.tunix import _accumulation, _optimizer, _train_step
+from tests import _tunix as T
+from tests._tunix import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F16, BF16 = "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32"
@@ -180,42 +182,12 @@ def tunix():
                                base_rollout=base_rollout, peft_trainer=peft_trainer)
 
 
-class CharTokenizer:
-  """What tunix's TokenizerAdapter needs: 5 specials and 43 characters, 48 ids."""
-
-  vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "<sep>",
-           *"abcdefghijklmnopqrstuvwxyz0123456789 +-=?.,"]
-
-  def __init__(self):
-    self.ids = {c: i for i, c in enumerate(self.vocab)}
-
-  def encode(self, text, **kwargs):
-    return [1] + [self.ids.get(c, 3) for c in text]
-
-  def decode(self, ids, **kwargs):
-    return "".join(self.vocab[i] for i in ids if i >= 5)
-
-  def bos_id(self):
-    return 1
-
-  def eos_id(self):
-    return 2
-
-  def pad_id(self):
-    return 0
-
-
 PROMPTS = [f"{a}+{b}=" for a in range(8) for b in range(4)]
 BATCH, GEN = 4, 8  # prompts per step (two completions each), tokens per completion
 
 
 def _qwen3(tunix, dtype=jnp.float32):
-  config = tunix.qwen3.ModelConfig(
-      num_layers=2, vocab_size=48, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
-      num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False,
-      shd_config=tunix.qwen3.ShardingConfig.get_default_sharding(), dtype=dtype,
-      param_dtype=jnp.float32)
-  return tunix.qwen3.Qwen3(config, rngs=nnx.Rngs(params=0))
+  return T.qwen3(tunix.qwen3, dtype)
 
 
 def _reward(prompts, completions, **kwargs):

@@ -112,38 +112,40 @@ class PrecisionComparison:
   def __str__(self) -> str:
     what = self.policy if self.policy is not None else "fn as given"
     loss_err = _relative(np.float64(self.loss_half), np.float64(self.loss))
-    lines = [_wrap(
+    lines = [wrap_line(
       f"compare_precision: {what} against float32; loss {self.loss:.6g} vs {self.loss_half:.6g} "
-      f"(relative error {_fmt(loss_err)}), gradients at scale {self.scale:g}")]
+      f"(relative error {fmt_error(loss_err)}), gradients at scale {self.scale:g}")]
     width = max([len("layer"), *(len(r.name) for r in self.layers)])
     lines.append(f"  {'layer':<{width}}  {'activation':>10}  {'gradient':>10}  "
                  f"{'underflow':>10}  dtype")  # fmt: skip
     for r in self.layers:
       under = "-" if r.underflow is None else f"{100 * r.underflow:.1f}%"
       mark = "  <- the error jumps here" if r.name == self.jump else ""
-      lines.append(f"  {r.name:<{width}}  {_fmt(r.activation_error):>10}  "
-                   f"{_fmt(r.gradient_error):>10}  {under:>10}  {r.dtype}{mark}")  # fmt: skip
+      lines.append(f"  {r.name:<{width}}  {fmt_error(r.activation_error):>10}  "
+                   f"{fmt_error(r.gradient_error):>10}  {under:>10}  {r.dtype}{mark}")  # fmt: skip
     if self.jump is None:
-      lines.append(_wrap(f"no layer's error jumps (x{self.jump_factor:g} over {self.dtype}'s "
+      lines.append(wrap_line(f"no layer's error jumps (x{self.jump_factor:g} over {self.dtype}'s "
                          "rounding and the layers before it)"))  # fmt: skip
     else:
       row = self.layer(self.jump)
       kind, err = ("activation", row.activation_error) if _jumps_by(
         self, "activation_error") else ("gradient", row.gradient_error)
-      lines.append(_wrap(f"first jump: {self.jump} ({kind} error {_fmt(err)}); underflow: "
+      lines.append(wrap_line(f"first jump: {self.jump} ({kind} error {fmt_error(err)}); underflow: "
                          f"the share of the float32 gradient that is 0 in {self.dtype} at scale "
                          f"{self.scale:g}"))  # fmt: skip
     if self.note:
-      lines.append(_wrap(f"note: {self.note}"))
+      lines.append(wrap_line(f"note: {self.note}"))
     return "\n".join(lines)
 
 
-def _wrap(line: str) -> str:
+def wrap_line(line: str) -> str:
+  """``line`` wrapped at 100 columns, later lines indented: a report's paragraph."""
   return textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False,
                        break_long_words=False)
 
 
-def _fmt(x: float | None) -> str:
+def fmt_error(x: float | None) -> str:
+  """A relative error for a report's table: ``-`` for none, ``inf/nan``, else ``1.23e-04``."""
   if x is None:
     return "-"
   if math.isinf(x) or math.isnan(x):

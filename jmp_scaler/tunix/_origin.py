@@ -23,7 +23,6 @@ import contextvars
 import dataclasses
 import inspect
 import math
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmp_scaler.diagnostics._compare import fmt_error, wrap_line
 from jmp_scaler.diagnostics._parity import LogprobParity, logprob_parity
 from jmp_scaler.precision._autocast import autocast
 from jmp_scaler.tunix._args import policy_arg
@@ -133,7 +133,7 @@ class MismatchOrigin:
   def __str__(self) -> str:
     eps = float(jnp.finfo(self.dtype).eps)
     short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
-    lines = [_wrap(
+    lines = [wrap_line(
       f"mismatch_origin: {self.policy}; the decode path (a prefill, then one step per token "
       f"through a KV cache of {self.cache_size}) against the full forward, as written, at "
       f"{self.positions} token positions: the largest relative difference at one position")]
@@ -143,15 +143,15 @@ class MismatchOrigin:
     for r in self.layers:
       mark = "  <- the paths part here" if r.name == self.origin else ""
       share = f"{100 * r.share:.1f}%"
-      lines.append(f"  {r.name:<{width}}  {_fmt(r.input_difference):>9}  "
-                   f"{_fmt(r.difference):>9}  {share:>9}  {r.difference / eps:>9.3g}{mark}")
+      lines.append(f"  {r.name:<{width}}  {fmt_error(r.input_difference):>9}  "
+                   f"{fmt_error(r.difference):>9}  {share:>9}  {r.difference / eps:>9.3g}{mark}")
     if self.origin is None:
-      lines.append(_wrap(f"origin: none, the logits agree within the tolerance "
+      lines.append(wrap_line(f"origin: none, the logits agree within the tolerance "
                          f"{self.tolerance:.2g} at every position"))
     else:
       row = self.layer(self.origin)
       agrees = "" if row.input_difference is None else "its input agrees, "
-      lines.append(_wrap(
+      lines.append(wrap_line(
         f"origin: {row.name}: {agrees}its output differs by up to {row.difference:.2g} "
         f"({row.difference / eps:.2g} of {self.dtype}'s epsilon) at {100 * row.share:.1f}% "
         f"of the positions (tolerance {self.tolerance:.2g}); the 'positions' column counts "
@@ -164,23 +164,10 @@ class MismatchOrigin:
       lines.append(f"  {what:<21} |dlogp| mean {d['mean_abs_dlogp']:.2e}, max "
                    f"{d['max_abs_dlogp']:.2e}; ratio outside +-1% {100 * d['outside_1%']:.2f}%")
     decode, forward = self.excess_precision
-    lines.append(_wrap(
+    lines.append(wrap_line(
       f"XLA's excess precision moves the decode path's log-probabilities by {decode:.2e} and "
       f"the full forward's by {forward:.2e} (mean |dlogp| against the programs as written)"))
     return "\n".join(lines)
-
-
-def _wrap(line: str) -> str:
-  return textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False,
-                       break_long_words=False)
-
-
-def _fmt(x: float | None) -> str:
-  if x is None:
-    return "-"
-  if math.isinf(x) or math.isnan(x):
-    return "inf/nan"
-  return f"{x:.2e}"
 
 
 # ---------------------------------------------------------------- recording modules
