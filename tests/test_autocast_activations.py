@@ -214,8 +214,14 @@ def test_rules_name_an_activation_of_your_own_and_switch_one_off():
 
 def test_a_misspelt_activation_name_warns_and_bad_rules_are_refused():
   f = jmp_scaler.autocast(lambda x: jax.nn.gelu(x), F16, rules={"my_actt": "activation"})
-  with pytest.warns(UserWarning, match=r"\['my_actt'\].*check the spelling"):
+  with pytest.warns(UserWarning, match=r"\['my_actt' \('activation'\)\].*check the spelling"):
     f(X16)
+  # "primitives" switches a composite off: whether the function is called or not, nothing is
+  # misspelt (it warned that gelu, called, was not, and named the rule 'activation')
+  for rules in ({"gelu": "primitives"}, {"silu": "primitives"}):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      jmp_scaler.autocast(lambda x: jax.nn.gelu(x), F16, rules=rules)(X16)
   with pytest.raises(ValueError, match="names a function"):
     jmp_scaler.autocast(jnp.sin, F16, rules={"gelu": "promote"})
   with pytest.raises(ValueError, match="applies to functions"):

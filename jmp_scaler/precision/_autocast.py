@@ -582,10 +582,12 @@ def autocast(
     interp.paths.clear()
     outs = interp.run(closed, dyn, None, fed)
     outs = [R.cast_output(o, policy.output_dtype) for o in outs]
-    unseen = sorted(own - interp.planner.finder.matched)
+    # "primitives" switches a composite off: a function never called has nothing to switch
+    unseen = sorted(n for n in own - interp.planner.finder.matched if composites[n] != "primitives")
     if unseen:
+      named = ", ".join(f"{n!r} ({composites[n]!r})" for n in unseen)
       warnings.warn(
-        f"jmp_scaler.autocast: rules names the function(s) {unseen} ('activation'), but "
+        f"jmp_scaler.autocast: rules names the function(s) [{named}], but "
         f"{_fun_name(fun)} calls no function of that name: check the spelling (the "
         "function's __name__); those ops are decided one by one", UserWarning, stacklevel=2)
     for i, s in enumerate(scoped):
