@@ -71,12 +71,15 @@ def test_an_activation_is_one_op_in_its_inputs_dtype_computed_in_float32(name):
   f = jmp_scaler.autocast(lambda w, x: act(x @ w) * 2, "p=f32,c=f16,o=f16")
   jaxpr = jax.make_jaxpr(f)(W, X32)
   remat = [e for e in eqns(jaxpr) if e.primitive.name in ("remat2", "checkpoint")]
-  assert len(remat) == 1  # one op, recomputed in the backward pass
-  body = [e for e in eqns(remat[0].params["jaxpr"]) if e.primitive.name != "convert_element_type"]
-  floats = [v.aval.dtype for e in body for v in e.outvars if jnp.issubdtype(v.aval.dtype,
-                                                                           jnp.floating)]
-  assert floats and set(floats) == {jnp.dtype(jnp.float32)}
-  assert remat[0].invars[0].aval.dtype == jnp.float16  # it reads (and keeps) the half input
+  # one op, recomputed in the backward pass: one checkpoint per platform branch (TPU's open to
+  # CSE, the others' behind the barrier), both reading (and keeping) the half input
+  assert [e.params["prevent_cse"] for e in remat] == [False, True]
+  for op in remat:
+    body = [e for e in eqns(op.params["jaxpr"]) if e.primitive.name != "convert_element_type"]
+    floats = [v.aval.dtype for e in body for v in e.outvars if jnp.issubdtype(v.aval.dtype,
+                                                                             jnp.floating)]
+    assert floats and set(floats) == {jnp.dtype(jnp.float32)}
+    assert [v.aval.dtype for v in op.invars] == [jnp.float16]
   muls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "mul"]
   assert muls[-1].outvars[0].aval.dtype == jnp.float16  # the next op reads a half value
 
@@ -120,6 +123,20 @@ def test_the_backward_keeps_only_the_half_input_and_recomputes_in_float32(name):
   want = jax.grad(lambda y: jnp.sum(act(y)))(h.astype(jnp.float32))
   assert g.dtype == jnp.float16
   np.testing.assert_allclose(g.astype(jnp.float32), want, rtol=2**-10, atol=2**-14)
+
+
+@pytest.mark.parametrize("platform,barriers", [("tpu", 0), ("cuda", 1), ("cpu", 1)])
+def test_the_platform_lowered_for_decides_the_recomputations_cse_barrier(platform, barriers):
+  """A composite's recomputation is open to CSE on TPU (XLA:TPU fuses it into the matmuls
+  around it, as hand-annotated code) and behind jax.checkpoint's barrier elsewhere (XLA:GPU
+  would keep its float32 intermediates alive): by the platform the step is lowered for, not
+  the host's backend (this host lowers for all three)."""
+  f = jmp_scaler.autocast(lambda w, x: jnp.sum(jax.nn.gelu(x @ w) @ w), F16)
+  step = jax.jit(jax.grad(f))
+  text = step.trace(W, X32).lower(lowering_platforms=(platform,)).as_text()
+  assert text.count("optimization_barrier") == barriers
+  exported = jax.export.export(step, platforms=("tpu", "cuda"))(W, X32)
+  assert exported.mlir_module().count("optimization_barrier") == 1  # cuda's, in its branch
 
 
 def _dense(x, w, b):

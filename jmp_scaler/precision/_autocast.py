@@ -70,6 +70,25 @@ def _widen(x: Any) -> Any:
   return R.cast(x, FLOAT32) if is_real_floating(x) and x.dtype.itemsize < 4 else x
 
 
+def recomputed(body: Callable) -> Callable:
+  """``body`` under ``jax.checkpoint``: its backward pass saves its inputs only, and the
+  compiler the program is lowered for decides how the recomputation is placed.
+
+  On TPU the recomputation is left open to common-subexpression elimination
+  (``prevent_cse=False``): XLA:TPU then fuses the body into the matmuls around it, forward and
+  backward, as it does with hand-annotated code; behind the CSE barrier it reads and writes
+  float32 intermediates of the attention scores' size instead (TPU v5e, a 2-layer GPT step:
+  12.1 GB accessed against 10.3; a ResNet: 157 MiB of temp memory against 115). On the other
+  platforms the barrier stays: XLA:GPU, free to merge the recomputation with the forward
+  pass, keeps float32 intermediates alive from one to the other (H100, the same GPT: 1391 MiB
+  of temp memory against 1236). Both are traced and only the lowering platform's is compiled
+  (``jax.lax.platform_dependent``); both save the same residuals, the body's inputs, so the
+  jaxpr's ``saved_residuals`` are those of one checkpoint.
+  """
+  fused, kept = jax.checkpoint(body, prevent_cse=False), jax.checkpoint(body)
+  return lambda *xs: jax.lax.platform_dependent(*xs, tpu=fused, default=kept)
+
+
 def _all_fp8(args: Sequence[Any]) -> bool:
   """Whether every floating input is 8-bit: a matmul already in fp8 (fp8_dot_general's own)."""
   floats = [a for a in args if is_real_floating(a)]
@@ -198,7 +217,7 @@ class _Interpreter:
 
   def _body(self, eqns: list, group: Any, remat: bool) -> Callable:
     """The function of an activation's equations in float32 (under ``jax.checkpoint`` when
-    ``remat``), kept for every later group of the same equations."""
+    ``remat``: :func:`recomputed`), kept for every later group of the same equations."""
     def body(*xs):
       env = {v: _widen(x) for v, x in zip(group.inputs, xs, strict=True)}
       self._in_activation = True  # the calls inside (silu's jit) are part of this one op
@@ -216,7 +235,7 @@ class _Interpreter:
         self._in_activation = False
       return [env[v] for v in group.outputs]
 
-    fn = jax.checkpoint(body) if remat else body
+    fn = recomputed(body) if remat else body
     if group.key is not None:
       self._bodies[(group.key, remat)] = fn
     return fn
