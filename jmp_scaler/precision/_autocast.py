@@ -83,9 +83,13 @@ def recomputed(body: Callable) -> Callable:
   pass, keeps float32 intermediates alive from one to the other (H100, the same GPT: 1391 MiB
   of temp memory against 1236). Both are traced and only the lowering platform's is compiled
   (``jax.lax.platform_dependent``); both save the same residuals, the body's inputs, so the
-  jaxpr's ``saved_residuals`` are those of one checkpoint.
+  jaxpr's ``saved_residuals`` are those of one checkpoint. ``body`` is jitted, so both
+  checkpoints (and every later call with the same input types) reuse one trace of it: tracing
+  a 48-layer GPT's gradient under autocast takes x1.43 of the plain function's time, x1.6 with
+  ``body`` traced for each checkpoint, x1.2 with a single checkpoint for every platform.
   """
-  fused, kept = jax.checkpoint(body, prevent_cse=False), jax.checkpoint(body)
+  traced = jax.jit(body)  # traced once for both platforms' checkpoints (and later calls)
+  fused, kept = jax.checkpoint(traced, prevent_cse=False), jax.checkpoint(traced)
   return lambda *xs: jax.lax.platform_dependent(*xs, tpu=fused, default=kept)
 
 
