@@ -77,10 +77,11 @@ def recomputed(body: Callable) -> Callable:
   On TPU the recomputation is left open to common-subexpression elimination
   (``prevent_cse=False``): XLA:TPU then fuses the body into the matmuls around it, forward and
   backward, as it does with hand-annotated code; behind the CSE barrier it reads and writes
-  float32 intermediates of the attention scores' size instead (TPU v5e, a 2-layer GPT step:
-  12.1 GB accessed against 10.3; a ResNet: 157 MiB of temp memory against 115). On the other
+  float32 intermediates of the attention scores' size instead (TPU v5e, the 4-layer GPT step
+  of ``benchmarks/bench_compiled.py``: 21.7 GB accessed against 17.0; a ResNet: 157 MiB of
+  temp memory against 115). On the other
   platforms the barrier stays: XLA:GPU, free to merge the recomputation with the forward
-  pass, keeps float32 intermediates alive from one to the other (H100, the same GPT: 1391 MiB
+  pass, keeps float32 intermediates alive from one to the other (H100, a 2-layer GPT: 1391 MiB
   of temp memory against 1236). Both are traced and only the lowering platform's is compiled
   (``jax.lax.platform_dependent``); both save the same residuals, the body's inputs, so the
   jaxpr's ``saved_residuals`` are those of one checkpoint. ``body`` is jitted, so both
