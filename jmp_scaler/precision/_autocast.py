@@ -70,24 +70,24 @@ def _widen(x: Any) -> Any:
   return R.cast(x, FLOAT32) if is_real_floating(x) and x.dtype.itemsize < 4 else x
 
 
-def recomputed(body: Callable) -> Callable:
+def _recomputed(body: Callable) -> Callable:
   """``body`` under ``jax.checkpoint``: its backward pass saves its inputs only, and the
   compiler the program is lowered for decides how the recomputation is placed.
 
   On TPU the recomputation is left open to common-subexpression elimination
   (``prevent_cse=False``): XLA:TPU then fuses the body into the matmuls around it, forward and
   backward, as it does with hand-annotated code; behind the CSE barrier it reads and writes
-  float32 intermediates of the attention scores' size instead (TPU v5e, the 4-layer GPT step
-  of ``benchmarks/bench_compiled.py``: 21.7 GB accessed against 17.0; a ResNet: 157 MiB of
-  temp memory against 115). On the other
-  platforms the barrier stays: XLA:GPU, free to merge the recomputation with the forward
-  pass, keeps float32 intermediates alive from one to the other (H100, a 2-layer GPT: 1391 MiB
-  of temp memory against 1236). Both are traced and only the lowering platform's is compiled
-  (``jax.lax.platform_dependent``); both save the same residuals, the body's inputs, so the
-  jaxpr's ``saved_residuals`` are those of one checkpoint. ``body`` is jitted, so both
-  checkpoints (and every later call with the same input types) reuse one trace of it: tracing
-  a 48-layer GPT's gradient under autocast takes x1.43 of the plain function's time, x1.6 with
-  ``body`` traced for each checkpoint, x1.2 with a single checkpoint for every platform.
+  float32 intermediates of the attention scores' size instead (TPU v5e, the 4-layer GPT step of
+  ``benchmarks/bench_compiled.py``: 21.7 GB accessed against 17.0; a ResNet: 157 MiB of temp
+  memory against 115). On the other platforms the barrier stays: XLA:GPU, free to merge the
+  recomputation with the forward pass, keeps float32 intermediates alive from one to the other
+  (H100, a 2-layer GPT: 1391 MiB of temp memory against 1236). Both are traced and only the
+  lowering platform's is compiled (``jax.lax.platform_dependent``); both save the same
+  residuals, the body's inputs, so the jaxpr's ``saved_residuals`` are those of one
+  checkpoint. ``body`` is jitted, so both checkpoints (and every later call with the same input
+  types) reuse one trace of it: tracing a 48-layer GPT's gradient under autocast takes
+  x1.32-1.44 of the plain function's time, x1.58-1.64 with ``body`` traced for each
+  checkpoint, x1.16-1.22 with one checkpoint for every platform.
   """
   traced = jax.jit(body)  # traced once for both platforms' checkpoints (and later calls)
   fused, kept = jax.checkpoint(traced, prevent_cse=False), jax.checkpoint(traced)
@@ -222,7 +222,7 @@ class _Interpreter:
 
   def _body(self, eqns: list, group: Any, remat: bool) -> Callable:
     """The function of an activation's equations in float32 (under ``jax.checkpoint`` when
-    ``remat``: :func:`recomputed`), kept for every later group of the same equations."""
+    ``remat``: :func:`_recomputed`), kept for every later group of the same equations."""
     def body(*xs):
       env = {v: _widen(x) for v, x in zip(group.inputs, xs, strict=True)}
       self._in_activation = True  # the calls inside (silu's jit) are part of this one op
@@ -240,7 +240,7 @@ class _Interpreter:
         self._in_activation = False
       return [env[v] for v in group.outputs]
 
-    fn = recomputed(body) if remat else body
+    fn = _recomputed(body) if remat else body
     if group.key is not None:
       self._bodies[(group.key, remat)] = fn
     return fn
@@ -606,8 +606,9 @@ def autocast(
     interp.paths.clear()
     outs = interp.run(closed, dyn, None, fed)
     outs = [R.cast_output(o, policy.output_dtype) for o in outs]
-    # "primitives" switches a composite off: a function never called has nothing to switch
-    unseen = sorted(n for n in own - interp.planner.finder.matched if composites[n] != "primitives")
+    # the names the finder looks for ("primitives" switches a composite off: nothing to find)
+    finder = interp.planner.finder
+    unseen = sorted((own & finder.table.keys()) - finder.matched)
     if unseen:
       named = ", ".join(f"{n!r} ({composites[n]!r})" for n in unseen)
       warnings.warn(

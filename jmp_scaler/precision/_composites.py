@@ -21,9 +21,9 @@ dtype autocast gave them (the widest of them is the result's dtype), its body is
 the dtypes it was traced with (float32 for float32 code: the kernel's float32 arithmetic)
 under ``jax.checkpoint``, so the backward pass saves the half-precision input only and
 recomputes the rest (open to CSE on TPU, behind the barrier elsewhere: the platform the program
-is lowered for decides, :func:`._autocast.recomputed`), and its floating results are rounded to
-that dtype. Flax's and
-equinox's activations are ``jax.nn``'s. A function of your own gets the rule by name:
+is lowered for decides, :func:`._autocast._recomputed`), and its floating results are rounded
+to that dtype. Flax's and equinox's activations are ``jax.nn``'s. A function of your own gets
+the rule by name:
 ``rules={"my_act": "activation"}`` (its ``__name__``; jitted, or called from your code).
 """
 
