@@ -291,6 +291,29 @@ def test_grad_with_custom_jvp_inside_shard_map_with_check_vma():
   np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)
 
 
+def test_a_bias_is_added_in_the_matmul_dtype_and_its_gradient_summed_wide_rounded_once():
+  """torch's addmm and cuBLAS's bias gradient: the head's bias add is float16 though only the
+  float32 loss reads it, and the bias's gradient is the float16 cotangents summed in float32
+  (also across a shard_map's devices) and rounded once to float16. 4097 rows of cotangent 1:
+  float32 throughout gives 4097, float16 accumulation stalls at 2048, torch's gives 4096."""
+  rows = 4097
+  x, w = jnp.zeros((rows, 4), jnp.float32), jnp.zeros((4, 2), jnp.float32)
+  b = jnp.zeros((2,), jnp.float32)
+  loss = lambda b, w, x: jnp.sum(nn.Dense(2).apply({"params": {"kernel": w, "bias": b}}, x))
+  auto = autocast(loss, F16)
+  adds = [e for e in eqns(jax.make_jaxpr(auto)(b, w, x)) if e.primitive.name == "add"]
+  assert [{str(v.aval.dtype) for v in e.invars} for e in adds] == [{"float16"}]
+  assert fast_jit(jax.grad(loss))(b, w, x).tolist() == [4097.0, 4097.0]
+  assert fast_jit(jax.grad(auto))(b, w, x).tolist() == [4096.0, 4096.0]
+  mesh = jax.make_mesh((1,), ("b",))
+  sm = jax.shard_map(lambda b, w, x: lax.psum(jax.grad(auto)(b, w, x), "b"), mesh=mesh,
+                     in_specs=(P(), P(), P("b")), out_specs=P())  # fmt: skip
+  x = jax.device_put(x, NamedSharding(mesh, P("b")))
+  assert fast_jit(sm)(b, w, x).tolist() == [4096.0, 4096.0]
+  psums = [e for e in eqns(jax.make_jaxpr(sm)(b, w, x)) if e.primitive.name.startswith("psum")]
+  assert psums and all(str(e.invars[0].aval.dtype) == "float32" for e in psums)
+
+
 def result_dtype(region):
   """The dtype of a region's first result before the policy's output cast to float32."""
   out = region.jaxpr.outvars[0]
@@ -324,14 +347,15 @@ def test_what_the_casts_already_in_the_function_mean(name):
 
 def test_casts_as_written_keep_their_values_and_rules_can_keep_a_half_reduction():
   # A deliberate rounding is kept; hand-annotated Dense layers keep their float16 kernels and
-  # biases, and the activation between them (the last bias add feeds only the output cast).
+  # biases, and the activation between them; the last bias add, which feeds only the output
+  # cast to float32, stays in the matmul's dtype too (torch's addmm).
   rounding = autocast(lambda x: x - x.astype(jnp.float16).astype(jnp.float32), F16)
   model = nn.Sequential([nn.Dense(4, dtype=jnp.float16), nn.relu, nn.Dense(4, dtype=jnp.float16)])
   variables = jax.eval_shape(lambda: model.init(jax.random.key(0), X))
   adds = [e for e in eqns(jax.make_jaxpr(autocast(model.apply, F16))(variables, X))
           if e.primitive.name in ("add", "dot_general")]  # fmt: skip
   assert [{str(v.aval.dtype) for v in e.invars} for e in adds] == [
-      {"float16"}, {"float16"}, {"float16"}, {"float32"}]  # fmt: skip
+      {"float16"}, {"float16"}, {"float16"}, {"float16"}]  # fmt: skip
   keep = autocast(lambda x: jnp.sum(x, dtype=jnp.float16), F16, rules={"reduce_sum": "promote"})
   assert str(result_dtype(region_of(keep, X16))) == "float16"
   # Constants: a Python number is rounded to float16 when traced; a float32 one is exact.

@@ -109,6 +109,7 @@ class Op:
   eps: float = 0.0
   torch_out: str = ""
   exact_in_half: tuple = ()  # ops before a float32 composite, exact in any dtype (softmin's neg)
+  bias_adds: int = 0  # adds of a bias to a matmul's result, in the compute dtype (addmm)
 
   @property
   def id(self):
@@ -219,11 +220,13 @@ def grid_sample(x, grid):
 
 
 MATMUL_IN_COMPUTE = "a matmul in JAX (dot_general): runs in the compute dtype, as matmul does"
-BIAS = "the bias add is a separate add, which promotes with the float32 bias"
+BIAS = ("an addend of the result's own shape is not a broadcast bias: the add promotes with it "
+        "(as PyTorch's own add would)")
 NOT_MATMUL = "not a matmul in JAX: runs in its inputs' dtype (float32 here)"
 EXPLICIT_DTYPE = ("jnp.sum(x16, dtype=jnp.float16) traces to the jaxpr of lax.reduce_sum(x16): "
                   "a float16 reduction, which autocast runs in float32 like any other")
-CELL = "matmuls in the compute dtype; the bias adds and gates promote to float32"
+CELL = ("matmuls and their bias adds in the compute dtype; the sums of two matmuls, the gates "
+        "and the state update, which only float32 ops use, in float32")
 
 
 def _lower():
@@ -239,9 +242,9 @@ def _lower():
     Op("conv_transpose3d", "lower", conv_transpose, (c[2], f(N, N, 3, 3, 3)), "compute"),
     Op("cudnn_convolution", "lower", conv, (c[1], f(N, N, 3, 3)), "compute"),
     Op("cudnn_convolution_transpose", "lower", conv_transpose, (c[1], f(N, N, 3, 3)), "compute"),
-    Op("_convolution", "lower", conv_bias, (c[1], f(N, N, 3, 3), f(N)), "float32", BIAS),
-    Op("convolution", "lower", conv_bias, (c[1], f(N, N, 3, 3), f(N)), "float32", BIAS),
-    Op("conv_tbc", "lower", conv_tbc, (f(N, N, N), f(3, N, N), f(N)), "float32", BIAS),
+    Op("_convolution", "lower", conv_bias, (c[1], f(N, N, 3, 3), f(N)), "compute", bias_adds=1),
+    Op("convolution", "lower", conv_bias, (c[1], f(N, N, 3, 3), f(N)), "compute", bias_adds=1),
+    Op("conv_tbc", "lower", conv_tbc, (f(N, N, N), f(3, N, N), f(N)), "compute", bias_adds=1),
     Op("prelu", "lower", prelu, (f(N), f(1)), "float32", NOT_MATMUL),
     Op("addmm", "lower", lambda a, x, y: a + x @ y, (m(), m(), m()), "float32", BIAS),
     Op("addmv", "lower", lambda a, x, v: a + x @ v, (f(N), m(), f(N)), "float32", BIAS),
@@ -261,13 +264,15 @@ def _lower():
        "the sum over the batch is a float32 reduction and the add promotes"),
     Op("baddbmm", "lower", lambda a, x, y: a + x @ y, (b3(), b3(), b3()), "float32", BIAS),
     Op("bmm", "lower", jnp.matmul, (b3(), b3()), "compute"),
-    Op("linear", "lower", lambda x, w, b: x @ w.T + b[0], (m(), m(), m()), "float32", BIAS),
+    Op("linear", "lower", lambda x, w, b: x @ w.T + b[0], (m(), m(), m()), "compute",
+       bias_adds=1),
     Op("linalg_vecdot", "lower", jnp.linalg.vecdot, (m(), m()), "compute"),
-    Op("LSTMCell", "lower", flax_cell(nn.LSTMCell(N)), (m(), m()), "float32", CELL),
-    Op("GRUCell", "lower", flax_cell(nn.GRUCell(N)), (m(), m()), "float32", CELL),
-    Op("RNNCell", "lower", flax_cell(nn.SimpleCell(N)), (m(), m()), "float32", CELL),
+    Op("LSTMCell", "lower", flax_cell(nn.LSTMCell(N)), (m(), m()), "float32", CELL, bias_adds=4),
+    Op("GRUCell", "lower", flax_cell(nn.GRUCell(N)), (m(), m()), "float32", CELL, bias_adds=4),
+    Op("RNNCell", "lower", flax_cell(nn.SimpleCell(N)), (m(), m()), "float32", CELL,
+       bias_adds=1),
     Op("rnn_relu_cell", "lower", flax_cell(nn.SimpleCell(N, activation_fn=nn.relu)),
-       (m(), m()), "float32", CELL),
+       (m(), m()), "float32", CELL, bias_adds=1),
   ]  # fmt: skip
 
 
@@ -376,7 +381,9 @@ def _promote():
     Op("atan2", "promote", jnp.arctan2, (p32(), p16(lo=0.1, hi=100)), "float32"),
     Op("bilinear", "promote",
        lambda x1, x2, w, b: jnp.einsum("bi,oij,bj->bo", x1, w, x2) + b,
-       (h(1, 2), f(1, 2), h(1, 2, 2), f(1)), "float32", MATMUL_IN_COMPUTE),
+       (h(1, 2), f(1, 2), h(1, 2, 2), f(1)), "compute",
+       "two matmuls in JAX (dot_general) and a bias add: in the compute dtype, as addmm",
+       bias_adds=1),
     Op("cross", "promote", jnp.cross, (f(3), h(3)), "float32"),
     Op("dot", "promote", jnp.dot, (p16(), p32()), "compute", MATMUL_IN_COMPUTE),
     Op("vdot", "promote", jnp.vdot, (p16(), p32()), "compute", MATMUL_IN_COMPUTE),
@@ -491,14 +498,19 @@ def test_result_dtype_compute_dtype_and_value(op, half):
   i = OPS.index(op)
   out, region, ref = outs[i], regions[i], references()[i]
   assert result_dtype(region) == expected_dtype(op, half)
-  # Matmuls and convolutions in the compute dtype; every other op that computes, in float32.
+  # Matmuls, convolutions and their bias adds in the compute dtype; every other op that
+  # computes, in float32.
+  half_adds = 0
   for name, dtypes in computing_eqns(region):
     if name in MATMULS:
       assert dtypes == {jnp.dtype(half)}, (name, dtypes)
+    elif name == "add" and dtypes == {jnp.dtype(half)}:
+      half_adds += 1
     elif name in op.exact_in_half:  # before the softmax, which widens its input itself
       assert dtypes == {jnp.dtype(half)}, (name, dtypes)
     else:
       assert all(np.dtype(d).itemsize >= 4 for d in dtypes), (name, dtypes)
+  assert half_adds == op.bias_adds
   got = np.asarray(out, np.float64)
   assert np.isfinite(got).all() == np.isfinite(ref).all()
   if any(name in MATMULS for name, _ in computing_eqns(region)):

@@ -123,16 +123,16 @@ class Planner:
     trips = self._trips.setdefault(jaxpr, {})
     if widened_in not in trips:
       trips[widened_in] = self._round_trips(jaxpr, widened_in)
-    fed = self._fed.setdefault(jaxpr, {})
-    if fed_out not in fed:
-      fed[fed_out] = self._float32_fed(jaxpr, fed_out)
-    (round_trips, widened), (float32, feeds, calls) = trips[widened_in], fed[fed_out]
     if jaxpr not in self._bias:
       self._bias[jaxpr] = self._bias_adds(jaxpr)
       self._fills[jaxpr] = frozenset(
         e.outvars[0] for e in jaxpr.eqns
         if e.primitive.name == "broadcast_in_dim" and not np.shape(e.invars[0].aval)
         and _floating(e.outvars[0]))
+    fed = self._fed.setdefault(jaxpr, {})
+    if fed_out not in fed:
+      fed[fed_out] = self._float32_fed(jaxpr, fed_out)
+    (round_trips, widened), (float32, feeds, calls) = trips[widened_in], fed[fed_out]
     groups = self.finder.groups(jaxpr)
     return Plan(float32, round_trips, widened, feeds, calls, groups, self._bias[jaxpr],
                 self._fills[jaxpr])
@@ -179,7 +179,9 @@ class Planner:
 
     A matmul's result stays one through data movement (``reshape``, ``transpose``, ...); a
     bias is a value of rank 0 or 1 (after dropping unit dimensions) broadcast to the other
-    operand's shape, through data movement and casts. An attention mask (rank 2) is not one.
+    operand's shape, through data movement, casts and ``pvary`` (inside ``shard_map``, a
+    replicated bias added to a per-device result is marked varying first). An attention
+    mask (rank 2) is not one, nor is an ``add`` the user gave a rule (it keeps that rule).
     """
     matmul: set[Any] = set()
     small: set[Any] = set()  # values that are a broadcast vector (or the vector itself)
@@ -189,7 +191,7 @@ class Planner:
       ins = [v for v in eqn.invars if not J.is_literal(v)]
       if self.rule(eqn) in R.MATMUL:
         matmul.update(eqn.outvars)
-      elif name in R.MOVES and len(eqn.outvars) == 1 and ins:
+      elif (name in R.MOVES or name == "pvary") and len(eqn.outvars) == 1 and ins:
         if ins[0] in matmul and name != "broadcast_in_dim":
           matmul.add(eqn.outvars[0])
         if ins[0] in small or (name in ("broadcast_in_dim", "reshape")
@@ -197,7 +199,8 @@ class Planner:
           small.add(eqn.outvars[0])
       elif _is_convert(eqn) and ins and ins[0] in small:
         small.add(eqn.outvars[0])
-      elif name == "add" and len(ins) == 2 and all(_floating(v) for v in ins):
+      elif name == "add" and name not in self.given and len(ins) == 2 and all(
+          _floating(v) for v in ins):  # fmt: skip
         a, b = ins
         shape = eqn.outvars[0].aval.shape
         for k, (m, s) in enumerate(((a, b), (b, a))):
@@ -221,6 +224,7 @@ class Planner:
     float32: set[int] = set()
     groups = self.finder.groups(jaxpr)
     group_of = {i: g for g in groups.values() for i in g.members}
+    bias_adds = self._bias[jaxpr]  # in the matmul's dtype whatever uses them (addmm)
     moves: set[int] = set()  # data movement whose result only float32 ops use
     calls_in: dict[int, tuple[bool, ...]] = {}  # which inputs of a call only float32 ops use
     calls_out: dict[int, tuple[bool, ...]] = {}
@@ -261,7 +265,7 @@ class Planner:
         calls_in[i] = self.plan(body, fed_out=calls_out[i]).feeds_float32
       elif (
         self.rule(eqn) in R.FOLLOWING and eqn.primitive.name not in self.given
-        and not _is_convert(eqn) and len(eqn.outvars) == 1
+        and i not in bias_adds and not _is_convert(eqn) and len(eqn.outvars) == 1
         and not J.has_sub_jaxprs(eqn) and fed(eqn.outvars[0])
       ):  # fmt: skip
         (moves if eqn.primitive.name in R.MOVES else float32).add(i)
