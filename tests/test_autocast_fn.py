@@ -305,6 +305,10 @@ def test_a_bias_is_added_in_the_matmul_dtype_and_its_gradient_summed_wide_rounde
   assert [{str(v.aval.dtype) for v in e.invars} for e in adds] == [{"float16"}]
   assert fast_jit(jax.grad(loss))(b, w, x).tolist() == [4097.0, 4097.0]
   assert fast_jit(jax.grad(auto))(b, w, x).tolist() == [4096.0, 4096.0]
+  given = autocast(loss, F16, rules={"add": "float32"})  # a rule for add is kept, bias or not
+  adds = [e for e in eqns(jax.make_jaxpr(given)(b, w, x)) if e.primitive.name == "add"]
+  assert [{str(v.aval.dtype) for v in e.invars} for e in adds] == [{"float32"}]
+  assert fast_jit(jax.grad(given))(b, w, x).tolist() == [4097.0, 4097.0]
   mesh = jax.make_mesh((1,), ("b",))
   sm = jax.shard_map(lambda b, w, x: lax.psum(jax.grad(auto)(b, w, x), "b"), mesh=mesh,
                      in_specs=(P(), P(), P("b")), out_specs=P())  # fmt: skip

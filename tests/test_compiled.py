@@ -3,7 +3,7 @@ XLA:TPU (libtpu) and XLA:GPU (jax's CUDA plugin) compile here for a TPU v5e and 
 (``benchmarks/bench_compiled.py``, deviceless). The full sweep is the benchmark's; this holds
 the claims that a later change could give back silently:
 
-* autocast's temp memory at most hand annotation's (H100; within 5% on TPU v5e) and below
+* autocast's temp memory at most hand annotation's (H100; within 15% on TPU v5e) and below
   float32's, on a small GPT (the CPU and the jaxpr cannot say it); on TPU v5e its bytes
   accessed near hand's, and a ResNet's temp memory and bytes at hand's (the recomputation of
   the composites open to XLA:TPU's fusion);
@@ -68,10 +68,12 @@ def lowbit(tmp_path_factory):
   return {(r["target"], r["rule"]): r for r in rows}
 
 
-#: autocast's temp memory at most this times hand annotation's: 1 on the H100; on TPU v5e
-#: 1.05 (0.96 at this size; the benchmark's 4-layer GPT is at 1.18, 1335 against 1127 MiB,
-#: where it was 2.53 before issue 45's fixes, 2854 MiB: BENCHMARKS.md).
-AT_MOST_HAND = {"v5e": 1.05, "h100": 1.0}
+#: autocast's temp memory at most this times hand annotation's: 1 on the H100 (0.99 at this
+#: size); on TPU v5e 1.15 (1.12 at this size, 218 against 194 MiB, where one layer leaves the
+#: head's float32 logits the largest buffer of both programs; 0.96 when autocast added the
+#: head's bias in float32. The benchmark's 4-layer GPT: 1.05, 1188 against 1127 MiB, and 1.18
+#: with the bias in float32; 2.53 before issue 45's fixes: BENCHMARKS.md).
+AT_MOST_HAND = {"v5e": 1.15, "h100": 1.0}
 
 
 @pytest.mark.parametrize("target", ["v5e", "h100"])
@@ -88,11 +90,12 @@ def test_autocast_needs_hand_annotations_memory_and_less_than_float32(steps, tar
 def test_on_tpu_autocast_reads_and_writes_about_what_hand_annotation_does(steps, resnet):
   """XLA:TPU's bytes accessed: the composites' recomputation is open to its fusion on TPU
   (behind jax.checkpoint's CSE barrier it stored float32 intermediates of the attention
-  scores' size). The GPT at this size: 1.25 x hand (1.54 with the barrier; the benchmark's
-  4-layer GPT 1.13, 1.44); the ResNet at hand's in bytes (0.98; 1.58 with the barrier) and
-  temp memory (1.012; 1.38)."""
+  scores' size) and the head's bias is added in the matmul's dtype. The GPT at this size: 1.04
+  x hand (1.25 with the bias in float32, 1.54 with the barrier too; the benchmark's 4-layer
+  GPT 1.06, 1.13, 1.44); the ResNet at hand's in bytes (0.98; 1.58 with the barrier) and temp
+  memory (1.012; 1.38)."""
   acc = {v: steps[("v5e", v)]["bytes_accessed"] for v in ("float32", "hand", "autocast")}
-  assert acc["autocast"] <= 1.3 * acc["hand"] and acc["autocast"] < acc["float32"], acc
+  assert acc["autocast"] <= 1.1 * acc["hand"] and acc["autocast"] < acc["float32"], acc
   assert resnet["autocast"]["bytes_accessed"] <= resnet["hand"]["bytes_accessed"], resnet
   assert resnet["autocast"]["temp"] <= 1.02 * resnet["hand"]["temp"], resnet
 
