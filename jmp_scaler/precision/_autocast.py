@@ -522,9 +522,11 @@ def autocast(
   float16``: how jnp's reductions, ``jax.nn.softmax`` and Flax's norms compute
   in float32) is not applied, so a float32 op's result stays float32; and an
   op that follows its inputs but feeds only float32 ops (or the output cast to
-  a float32 ``output_dtype``) runs in float32, as the losses PyTorch lists do.
-  Every other cast in ``fun`` is applied as written; a primitive given a rule
-  in ``rules`` keeps exactly that rule.
+  a float32 ``output_dtype``) runs in float32, as the losses PyTorch lists do,
+  except a matmul's bias add, in the matmul's dtype as ``torch.nn.Linear``'s
+  ``addmm`` (a head's logits included). Every other cast in ``fun`` is
+  applied as written; a primitive given a rule in ``rules`` keeps exactly that
+  rule.
 
   Integer, boolean and key-typed values are never cast, and float64 is never
   narrowed, outputs included. Arguments are not cast on entry (parameters stay
