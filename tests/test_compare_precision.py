@@ -188,16 +188,21 @@ def scatter_adds(fn, *args):
 def test_the_gradient_of_optax_cross_entropy_s_gather_needs_no_note(dtype):
   # The gather of the labelled logit has a scatter-add for its gradient, an operation with a
   # body of its own (a note once said it "stayed in float16": any such operation was named,
-  # whatever its dtype). The logits are float16 under the policy (the last bias add is in the
-  # matmul's dtype, torch's addmm) as in a float16 model, so it is float16 in both (one term
-  # per logit: exact), and the float32 run computes it in float32 (lax.scatter_add with its
-  # parameters): no note.
+  # whatever its dtype). It is in the gathered logits' dtype: float16 in a float16 model; under
+  # the policy float16 (the last bias add is in the matmul's dtype, torch's addmm) where optax
+  # gathers the logits themselves (0.2.8), float32 where it gathers them less their max, a
+  # float32 subtraction (0.2.5). The float32 run computes it in float32 (lax.scatter_add with
+  # its parameters): no note in any case.
   y = jax.random.randint(jax.random.key(2), (8,), 0, 10)
   params = MLP().init(jax.random.key(0), X)
   policy = POLICY if dtype is None else None
   run = functools.partial(cross_entropy, dtype=dtype)
-  half = scatter_adds(jmp_scaler.autocast(run, POLICY) if dtype is None else run, params, X, y)
-  assert half == ["float16"] * 2
+  fn = jmp_scaler.autocast(run, POLICY) if dtype is None else run
+  gathered = {str(e.invars[0].aval.dtype) for e, _ in _compare._flat_eqns(
+      jax.make_jaxpr(fn)(params, X, y)) if e.primitive.name == "gather"}  # fmt: skip
+  half = scatter_adds(fn, params, X, y)
+  assert len(half) == 2 and set(half) == gathered, (half, gathered)
+  assert dtype is None or half == ["float16"] * 2
   r = jmp_scaler.compare_precision(run, params, X, y, policy=policy)
   assert r.note == "" and "note:" not in str(r), str(r)
   assert r.jump is None and {"Dense_0", "Dense_1"} <= {row.name for row in r.layers}
