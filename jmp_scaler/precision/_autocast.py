@@ -183,7 +183,7 @@ class _Interpreter:
       with S.user_context(eqn):
         if i in plan.round_trips:
           outs = args_i  # the end of a round trip: the value stays as autocast computed it
-        elif i in plan.bias_adds and i not in plan.float32:
+        elif i in plan.bias_adds:  # never float32-fed: in the matmul's dtype
           outs = self._bias_add(eqn, args_i, plan.bias_adds[i], cast)
         else:
           rule = R.FLOAT32 if i in plan.float32 else None
